@@ -1,0 +1,286 @@
+"""The ``blockq`` command line: one entry point for every component.
+
+Service commands load their packages lazily, so ``blockq`` imports none of them until
+asked (the shared core never imports the services at module level).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from blockq.cluster_config import ClusterConfig
+from blockq.config import ConfigError
+from blockq.service import add_common_arguments, settings_from_args
+from blockq.state import ClusterState, pid_alive
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# --- up / down ------------------------------------------------------------------------------
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a local cluster (embedded Redis unless --redis)")
+    add_common_arguments(p)
+    p.add_argument("--config", type=Path, default=None, help="cluster TOML file ([cluster] table)")
+    p.add_argument("--instances", type=int, default=None, help="number of engine instances (default 2)")
+    p.add_argument("--instances-per-process", type=int, default=None, help="instances per worker process (default 6)")
+    p.add_argument("--policy", default=None, help="placement policy (default round_robin)")
+    p.add_argument("--objective", default=None, help="objective of the block policy: e2e | ttft | max_latency")
+    p.add_argument("--preset", default=None, help="engine preset (default llama2-7b-a30)")
+    p.add_argument("--time-scale", type=float, default=None, help="wall seconds per model second (default 1)")
+    p.add_argument("--predictor", dest="predictor_backend", default=None, help="predictor backend (default heuristic)")
+    p.add_argument("--predictor-model", default=None, help="trained predictor directory")
+    p.add_argument("--gateway", action="store_true", default=None, help="also start the HTTP gateway")
+    p.add_argument("--gateway-port", type=int, default=None)
+    p.add_argument("--batch-worker", action="store_true", default=None, help="also start the batch (rq) worker")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--detach", action="store_true", help="return once the cluster is ready")
+    p.add_argument("--ready-timeout-s", type=float, default=120.0)
+    p.add_argument("--json", action="store_true", help="print the ready report as JSON")
+    p.set_defaults(handler=cmd_up)
+
+
+def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    base = ClusterConfig.from_toml(args.config) if args.config else ClusterConfig()
+    return base.with_overrides(
+        instances=args.instances, instances_per_process=args.instances_per_process, policy=args.policy,
+        objective=args.objective, preset=args.preset, time_scale=args.time_scale,
+        predictor_backend=args.predictor_backend, predictor_model=args.predictor_model,
+        gateway=args.gateway, gateway_port=args.gateway_port, batch_worker=args.batch_worker, seed=args.seed)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from blockq.supervisor import ChildSpec, Supervisor
+
+    settings = settings_from_args(args, require_redis=False)
+    config = _cluster_config(args)
+    state = ClusterState.read(settings.state_dir)
+    if state is not None and pid_alive(state.supervisor_pid):
+        raise ConfigError(f"state_dir: a cluster is already running from {settings.state_dir} "
+                          f"(supervisor pid {state.supervisor_pid}); run `blockq down` first")
+    if args.detach:
+        return _up_detached(args, settings.state_dir, config)
+    from blockq.logs import configure_logging
+
+    configure_logging(settings.log_level, "supervisor")
+    specs = [ChildSpec(name, argv) for name, argv in config.child_argvs()]
+    gateway_url = f"http://{config.gateway_host}:{config.gateway_port}" if config.gateway else None
+    return Supervisor(settings.state_dir, specs, redis_url=settings.redis_url,
+                      num_instances=config.instances, gateway_url=gateway_url).run()
+
+
+def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfig) -> int:
+    """Start the supervisor in the background and wait for every instance to be live."""
+    started_s = time.monotonic()
+    argv = [a for a in sys.argv[1:] if a != "--detach" and a != "--json"]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "logs").mkdir(exist_ok=True)
+    with open(state_dir / "logs" / "supervisor.log", "ab") as log_file:
+        subprocess.Popen([sys.executable, "-m", "blockq.cli", *argv], stdout=log_file, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    report = wait_until_ready(args, state_dir, config.instances, args.ready_timeout_s)
+    report["ready_s"] = round(time.monotonic() - started_s, 3)
+    if args.json:
+        _print_json(report)
+    else:
+        sys.stdout.write(f"blockq is up: {report['num_live_instances']} instances live, redis {report['redis_url']}, "
+                         f"ready in {report['ready_s']:.1f} s (state in {state_dir})\n")
+    return 0
+
+
+def wait_until_ready(args: argparse.Namespace, state_dir: Path, num_instances: int, timeout_s: float) -> dict[str, Any]:
+    from blockq.status import collect_status
+    from blockq.streams import connect
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = ClusterState.read(state_dir)
+        if state is not None:
+            settings = settings_from_args(args)
+            client = connect(state.redis_url)
+            try:
+                status = collect_status(client, settings)
+            finally:
+                client.close()
+            if status["num_live_instances"] >= num_instances and status["dispatcher_leader"]:
+                status["gateway_url"] = state.gateway_url
+                return status
+        time.sleep(0.1)
+    raise SystemExit(f"blockq up: cluster not ready within {timeout_s:.0f} s; see {state_dir / 'logs'}")
+
+
+def _add_down(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("down", help="stop the local cluster started by `blockq up`")
+    add_common_arguments(p)
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    p.set_defaults(handler=cmd_down)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args, require_redis=False)
+    state = ClusterState.read(settings.state_dir)
+    if state is None:
+        sys.stdout.write(f"no cluster running from {settings.state_dir}\n")
+        return 0
+    if pid_alive(state.supervisor_pid):
+        os.kill(state.supervisor_pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout_s
+    pids = [state.supervisor_pid, *state.children.values(), state.redis_pid]
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.05)
+    leftovers = [p for p in pids if pid_alive(p)]
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    ClusterState.remove(settings.state_dir)
+    sys.stdout.write("blockq is down" + (f" (killed {len(leftovers)} stuck processes)" if leftovers else "") + "\n")
+    return 0
+
+
+# --- submit / status ------------------------------------------------------------------------
+
+
+def _add_submit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("submit", help="submit one request and wait for its result")
+    add_common_arguments(p)
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--priority", default="interactive", choices=["interactive", "batch"])
+    p.add_argument("--tenant", default="default")
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--stream", action="store_true", help="print chunks as they arrive")
+    p.add_argument("--json", action="store_true", help="print the final record as JSON")
+    p.set_defaults(handler=cmd_submit)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from blockq.client import Client
+
+    settings = settings_from_args(args)
+    with Client(settings=settings) as client:
+        handle = client.submit(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                               priority=args.priority, tenant=args.tenant)
+        if args.stream:
+            for chunk in handle.stream(args.timeout_s):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        final = handle.result(args.timeout_s)
+    record = asdict(final)
+    record["id"] = record.pop("request_id")
+    if args.json:
+        _print_json(record)
+    elif not args.stream:
+        sys.stdout.write(final.text.strip() + "\n")
+    return 0 if final.status == "ok" else 1
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="instances, queue depths, pending entries, dead letters")
+    add_common_arguments(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from blockq.status import collect_status
+    from blockq.streams import connect
+
+    settings = settings_from_args(args)
+    client = connect(settings.redis_url)
+    try:
+        status = collect_status(client, settings)
+    finally:
+        client.close()
+    state = ClusterState.read(settings.state_dir)
+    status["gateway_url"] = state.gateway_url if state else None
+    if args.json:
+        _print_json(status)
+        return 0
+    out = [f"redis {status['redis_url']}  dispatcher {status['dispatcher_leader']}  dead letters {status['dead_letters']}"]
+    out.append(f"{'instance':<16}{'state':<10}{'beat ms':>9}{'run':>6}{'wait':>6}{'queue':>7}{'kv used':>10}{'lag p99':>9}")
+    for i in status["instances"]:
+        out.append(f"{i['id']:<16}{i['state']:<10}{i['last_heartbeat_age_ms']:>9.0f}{i['running']:>6}{i['waiting']:>6}"
+                   f"{i['queue']:>7}{i['kv_used_blocks']:>5}/{i['kv_total_blocks'] or 0:<4}{i['lag_p99_ms']:>9.1f}")
+    out.append("streams: " + "  ".join(f"{k}={v}" for k, v in status["streams"].items()))
+    out.append("pending: " + "  ".join(f"{k}={v}" for k, v in status["pending"].items()))
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+# --- services -------------------------------------------------------------------------------
+
+
+def _add_services(sub: argparse._SubParsersAction) -> None:
+    from dispatcher import cli as dispatcher_cli
+    from workers import cli as workers_cli
+
+    p = sub.add_parser("worker", help="run engine instance workers (python -m workers)")
+    workers_cli.add_arguments(p)
+    p.set_defaults(handler=workers_cli.run)
+    p = sub.add_parser("dispatcher", help="run the dispatcher (python -m dispatcher)")
+    dispatcher_cli.add_arguments(p)
+    p.set_defaults(handler=dispatcher_cli.run)
+
+    predictor = sub.add_parser("predictor", help="the output-length predictor: serve, train, eval")
+    predictor_sub = predictor.add_subparsers(dest="predictor_command", required=True)
+    from predictor_service.stage import add_serve_arguments, run_serve
+
+    p = predictor_sub.add_parser("serve", help="the stream stage (python -m predictor_service)")
+    add_serve_arguments(p)
+    p.set_defaults(handler=run_serve)
+    try:
+        from predictor_service.cli import add_predictor_commands
+    except ImportError:  # training extras missing: serving still works
+        return
+    add_predictor_commands(predictor_sub)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from loadgen import cli as loadgen_cli
+
+    p = sub.add_parser("bench", help="compare policies on fresh emulated clusters (table, JSON, plots)")
+    loadgen_cli.add_bench_arguments(p)
+    p.set_defaults(handler=loadgen_cli.run_bench_command)
+    p = sub.add_parser("demo", help="a short bench on a synthetic trace (about two minutes)")
+    loadgen_cli.add_demo_arguments(p)
+    p.set_defaults(handler=loadgen_cli.run_bench_command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockq", description="predictive dispatcher for LLM engine fleets")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_up(sub)
+    _add_down(sub)
+    _add_submit(sub)
+    _add_status(sub)
+    _add_services(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except ConfigError as exc:
+        sys.stderr.write(f"blockq: configuration error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

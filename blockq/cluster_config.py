@@ -1,0 +1,103 @@
+"""What ``blockq up`` starts: a frozen, validated description of a local cluster, read
+from a TOML file (``--config``) and overridden by command-line flags.
+
+Example ``cluster.toml``::
+
+    [cluster]
+    instances = 12
+    instances_per_process = 6
+    policy = "block"
+    preset = "llama2-7b-a30"
+    time_scale = 1.0
+    predictor_backend = "heuristic"   # or "fast" with predictor_model = "models/fast"
+    gateway = false
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from blockq.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    instances: int = 2
+    instances_per_process: int = 6
+    instance_prefix: str = "inst"
+    policy: str = "round_robin"
+    objective: str | None = None
+    preset: str = "llama2-7b-a30"
+    time_scale: float = 1.0
+    noise: float = 0.05
+    seed: int = 0
+    predictor_backend: str = "heuristic"
+    predictor_model: str | None = None
+    gateway: bool = False
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    batch_worker: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.instances <= 1024:
+            raise ConfigError(f"instances: must be between 1 and 1024 (got {self.instances})")
+        if not 1 <= self.instances_per_process <= 256:
+            raise ConfigError(f"instances_per_process: must be between 1 and 256 (got {self.instances_per_process})")
+        if not 0 < self.time_scale <= 1000:
+            raise ConfigError(f"time_scale: must be in (0, 1000] (got {self.time_scale})")
+        if not 0 <= self.noise <= 1:
+            raise ConfigError(f"noise: must be in [0, 1] (got {self.noise})")
+        if not 1 <= self.gateway_port <= 65535:
+            raise ConfigError(f"gateway_port: must be a TCP port (got {self.gateway_port})")
+
+    @property
+    def num_worker_processes(self) -> int:
+        return math.ceil(self.instances / self.instances_per_process)
+
+    def with_overrides(self, **overrides: Any) -> ClusterConfig:
+        """A copy with every override that is not None applied."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def from_toml(cls, path: Path) -> ClusterConfig:
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config: file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config: {path}: {exc}") from None
+        section = data.get("cluster", {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(f"config: unknown keys in [cluster]: {', '.join(unknown)}")
+        return cls(**section)
+
+    def child_argvs(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(name, python -m argv) of every service to start."""
+        children: list[tuple[str, tuple[str, ...]]] = []
+        predictor = ["predictor_service", "--backend", self.predictor_backend]
+        if self.predictor_model:
+            predictor += ["--model-dir", self.predictor_model]
+        children.append(("predictor", tuple(predictor)))
+        dispatcher = ["dispatcher", "--policy", self.policy, "--seed", str(self.seed)]
+        if self.objective:
+            dispatcher += ["--objective", self.objective]
+        children.append(("dispatcher", tuple(dispatcher)))
+        for process_index in range(self.num_worker_processes):
+            first = process_index * self.instances_per_process
+            count = min(self.instances_per_process, self.instances - first)
+            children.append((f"workers-{process_index}", (
+                "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
+                "--first-index", str(first), "--preset", self.preset, "--time-scale", str(self.time_scale),
+                "--noise", str(self.noise), "--seed", str(self.seed))))
+        if self.gateway:
+            children.append(("gateway", ("blockq.gateway", "--host", self.gateway_host,
+                                         "--port", str(self.gateway_port))))
+        if self.batch_worker:
+            children.append(("batch-worker", ("blockq.batch", "worker")))
+        return children

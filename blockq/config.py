@@ -1,0 +1,120 @@
+"""Configuration in one place: frozen dataclasses, filled from env vars (``BLOCKQ_*``)
+and, for ``blockq up``, a TOML file. Validated at start-up; never mutated.
+
+Environment variables (all optional):
+
+=============================  ==========================================================
+``BLOCKQ_REDIS_URL``           ``redis://`` or ``rediss://`` URL (user, password allowed)
+``BLOCKQ_KEY_PREFIX``          key prefix, default ``bq:``
+``BLOCKQ_MAX_BACKLOG``         ingress backlog (entries) past which submit raises Overloaded
+``BLOCKQ_REPLY_TTL_S``         reply stream lifetime after its last write, seconds
+``BLOCKQ_REPLY_READ_TTL_S``    reply stream lifetime once the final record was read
+``BLOCKQ_CLAIM_IDLE_MS``       pending entries idle this long are claimed by a live peer
+``BLOCKQ_HEARTBEAT_MS``        worker heartbeat interval, milliseconds
+``BLOCKQ_STATE_DIR``           where ``blockq up`` keeps Redis data, pids and logs
+``BLOCKQ_LOG_LEVEL``           debug | info | warning | error
+``BLOCKQ_MAX_MESSAGE_BYTES``   protocol limit (likewise ``BLOCKQ_MAX_PROMPT_CHARS``,
+                               ``BLOCKQ_MAX_PROMPT_TOKEN_IDS``, ``BLOCKQ_MAX_MAX_TOKENS``)
+=============================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from blockq.keys import DEFAULT_PREFIX, Keys
+from blockq.protocol import ProtocolLimits
+
+ENV_PREFIX = "BLOCKQ_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the setting."""
+
+
+def validate_redis_url(url: str) -> str:
+    """Check a Redis URL's scheme and host; returns it unchanged."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"redis_url: scheme must be redis://, rediss:// or unix:// (got {url!r})")
+    if parsed.scheme != "unix" and not parsed.hostname:
+        raise ConfigError(f"redis_url: missing host in {url!r}")
+    return url
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Settings shared by every blockq component."""
+
+    redis_url: str | None = None
+    key_prefix: str = DEFAULT_PREFIX
+    max_ingress_backlog: int = 50_000
+    reply_ttl_s: int = 3600
+    reply_read_ttl_s: int = 60
+    claim_idle_ms: int = 30_000
+    heartbeat_interval_ms: int = 100
+    state_dir: Path = field(default_factory=lambda: Path(".blockq"))
+    log_level: str = "info"
+    limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+
+    def __post_init__(self) -> None:
+        if self.redis_url is not None:
+            validate_redis_url(self.redis_url)
+        for name in ("max_ingress_backlog", "reply_ttl_s", "reply_read_ttl_s", "claim_idle_ms",
+                     "heartbeat_interval_ms"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)} (got {self.log_level!r})")
+        try:
+            Keys(self.key_prefix)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.key_prefix)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        """Settings from ``BLOCKQ_*`` variables; explicit ``overrides`` that are not None win."""
+        env = os.environ if env is None else env
+
+        def read_int(name: str, default: int) -> int:
+            raw = env.get(ENV_PREFIX + name)
+            if raw is None or raw == "":
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"{ENV_PREFIX}{name}: must be an integer (got {raw!r})") from None
+
+        limits_default = ProtocolLimits()
+        try:
+            limits = ProtocolLimits(
+                max_message_bytes=read_int("MAX_MESSAGE_BYTES", limits_default.max_message_bytes),
+                max_prompt_chars=read_int("MAX_PROMPT_CHARS", limits_default.max_prompt_chars),
+                max_prompt_token_ids=read_int("MAX_PROMPT_TOKEN_IDS", limits_default.max_prompt_token_ids),
+                max_max_tokens=read_int("MAX_MAX_TOKENS", limits_default.max_max_tokens),
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        values: dict[str, object] = {
+            "redis_url": env.get(ENV_PREFIX + "REDIS_URL") or None,
+            "key_prefix": env.get(ENV_PREFIX + "KEY_PREFIX") or DEFAULT_PREFIX,
+            "max_ingress_backlog": read_int("MAX_BACKLOG", cls.max_ingress_backlog),
+            "reply_ttl_s": read_int("REPLY_TTL_S", cls.reply_ttl_s),
+            "reply_read_ttl_s": read_int("REPLY_READ_TTL_S", cls.reply_read_ttl_s),
+            "claim_idle_ms": read_int("CLAIM_IDLE_MS", cls.claim_idle_ms),
+            "heartbeat_interval_ms": read_int("HEARTBEAT_MS", cls.heartbeat_interval_ms),
+            "state_dir": Path(env.get(ENV_PREFIX + "STATE_DIR") or ".blockq"),
+            "log_level": (env.get(ENV_PREFIX + "LOG_LEVEL") or "info").lower(),
+            "limits": limits,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,83 @@
+"""The configuration of one engine instance, as vLLM's engine arguments describe it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity and scheduling limits of one engine instance (immutable, validated).
+
+    Fields mirror vLLM's engine arguments:
+
+    * ``num_gpu_blocks``: KV-cache blocks on the GPU.
+    * ``block_size``: tokens per KV block.
+    * ``max_num_seqs``: most requests running at once (continuous batching).
+    * ``max_num_batched_tokens``: per-step token budget (chunked prefill); at least
+      ``max_num_seqs``, as vLLM requires, so every running decode fits in one step.
+    * ``max_model_len``: most tokens (prompt + output) of one request; its blocks must fit
+      in the cache beside the watermark, so that a request alone can always run to the end.
+    * ``watermark``: fraction of blocks kept free when admitting new prefills.
+    * ``enable_prefix_caching``: reuse cached KV blocks of identical leading prompt blocks.
+
+    Raises:
+        ValueError: naming the field and its limit, when a value is out of range.
+    """
+
+    num_gpu_blocks: int = 1052
+    block_size: int = 16
+    max_num_seqs: int = 48
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    watermark: float = 0.01
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: must be an int (got {type(value).__name__})")
+            if value < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {value})")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2 (got {self.max_model_len})")
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, int | float):
+            raise ValueError(f"watermark: must be a float (got {type(self.watermark).__name__})")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark: must be in [0, 1) (got {self.watermark})")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching: must be a bool")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= max_num_seqs ({self.max_num_seqs}) "
+                f"(got {self.max_num_batched_tokens})")
+        max_request_blocks = -(-self.max_model_len // self.block_size)
+        usable_blocks = self.num_gpu_blocks - self.watermark_blocks
+        if max_request_blocks > usable_blocks:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} tokens need {max_request_blocks} blocks, "
+                f"more than the {usable_blocks} usable beside the watermark; "
+                f"must be <= {usable_blocks * self.block_size}")
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks kept free when admitting a new prefill (vLLM rounds down)."""
+        return int(self.watermark * self.num_gpu_blocks)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.num_gpu_blocks * self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (msgpack- and JSON-able)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build from a dict; unknown keys are ignored, missing ones take the defaults."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})

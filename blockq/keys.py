@@ -1,0 +1,90 @@
+"""Every Redis key, stream and consumer-group name blockq uses, in one place.
+
+Keys carry a configurable prefix (default ``bq:``) so that several clusters can share
+one Redis. Per-request and per-instance keys put the variable part in a hash tag
+(``{...}``) so that, on Redis Cluster, a request's reply stream and its cancel flag
+live in the same slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "bq:"
+
+GROUP_PREDICT = "predict"
+GROUP_DISPATCH = "dispatch"
+GROUP_WORK = "work"
+GROUP_FEEDBACK = "feedback"
+
+# The one field of every stream entry that carries a message: its msgpack bytes.
+PAYLOAD_FIELD = "m"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names for one cluster (one prefix)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix or len(self.prefix) > 64 or any(c.isspace() for c in self.prefix):
+            raise ValueError(
+                f"key_prefix: must be 1-64 characters without whitespace (got {self.prefix!r})"
+            )
+
+    @property
+    def requests(self) -> str:
+        """Ingress stream: raw requests from clients, the gateway and batch jobs."""
+        return f"{self.prefix}req"
+
+    @property
+    def ready(self) -> str:
+        """Requests annotated with a predicted output length, awaiting placement."""
+        return f"{self.prefix}ready"
+
+    @property
+    def done(self) -> str:
+        """One entry per finished request: true output length and timings."""
+        return f"{self.prefix}done"
+
+    @property
+    def heartbeats(self) -> str:
+        """One entry per worker heartbeat."""
+        return f"{self.prefix}hb"
+
+    @property
+    def dead_letters(self) -> str:
+        """Messages that could not be decoded or processed, with the reason."""
+        return f"{self.prefix}dead"
+
+    @property
+    def cancellations(self) -> str:
+        """Cancel notices, read by every worker."""
+        return f"{self.prefix}cancel"
+
+    @property
+    def instances(self) -> str:
+        """Hash: instance id -> its latest heartbeat (msgpack)."""
+        return f"{self.prefix}instances"
+
+    @property
+    def dispatcher_lease(self) -> str:
+        """String key holding the active dispatcher's id (leader lease)."""
+        return f"{self.prefix}dispatcher:leader"
+
+    def instance_queue(self, instance_id: str) -> str:
+        """The queue stream of one engine instance."""
+        return f"{self.prefix}inst:{{{instance_id}}}"
+
+    def reply(self, request_id: str) -> str:
+        """The stream a request's output chunks and final record are written to."""
+        return f"{self.prefix}out:{{{request_id}}}"
+
+    def cancel_flag(self, request_id: str) -> str:
+        """A short-lived flag saying the request was cancelled."""
+        return f"{self.prefix}cancelled:{{{request_id}}}"
+
+    def instance_queue_pattern(self) -> str:
+        """SCAN pattern matching every instance queue."""
+        return f"{self.prefix}inst:*"

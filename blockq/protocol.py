@@ -1,0 +1,513 @@
+"""The wire format: msgpack maps with a schema version, and their validation.
+
+Every message is a frozen dataclass with ``to_map()`` / ``from_map()``; ``encode()`` and
+``decode_*()`` add the msgpack layer. Decoding is bounded (message size, string and list
+lengths) and validation errors name the field and the limit, so that a consumer can put
+the reason on the dead-letter stream and carry on.
+
+A request travels the whole pipeline as one envelope: the predictor adds a
+:class:`Prediction`, the dispatcher an :class:`Assignment` (``dataclasses.replace``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import msgpack
+
+SCHEMA_VERSION = 1
+PRIORITIES = ("interactive", "batch")
+
+
+class ValidationError(ValueError):
+    """A message field is missing, of the wrong type or outside its limit."""
+
+    def __init__(self, field_name: str, problem: str) -> None:
+        super().__init__(f"{field_name}: {problem}")
+        self.field = field_name
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class ProtocolLimits:
+    """Bounds applied when decoding and validating requests (env ``BLOCKQ_MAX_*``)."""
+
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int = 1_000_000
+    max_prompt_token_ids: int = 131_072
+    min_max_tokens: int = 1
+    max_max_tokens: int = 32_768
+    max_stop_sequences: int = 16
+    max_stop_chars: int = 256
+    max_id_chars: int = 128
+    max_tenant_chars: int = 128
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name}: must be >= 1 (got {getattr(self, f.name)})")
+        if self.min_max_tokens > self.max_max_tokens:
+            raise ValueError("min_max_tokens: must not exceed max_max_tokens")
+
+
+DEFAULT_LIMITS = ProtocolLimits()
+
+
+# --- field checks -----------------------------------------------------------------------
+
+
+def _get(data: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], *, required: bool = True) -> Any:
+    if name not in data or data[name] is None:
+        if required:
+            raise ValidationError(name, "is required")
+        return None
+    value = data[name]
+    # bool is an int subclass: never accept it where a number is meant.
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise ValidationError(name, f"must be {_kind_names(kinds)} (got bool)")
+    if not isinstance(value, kinds):
+        raise ValidationError(name, f"must be {_kind_names(kinds)} (got {type(value).__name__})")
+    return value
+
+
+def _kind_names(kinds: type | tuple[type, ...]) -> str:
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _get_float(data: Mapping[str, Any], name: str, *, required: bool = True) -> float | None:
+    value = _get(data, name, (int, float), required=required)
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        raise ValidationError(name, "must be a finite number")
+    return float(value)
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ValidationError(name, f"must be between {low} and {high} (got {value})")
+
+
+def _check_text(name: str, value: str, max_chars: int) -> None:
+    if len(value) > max_chars:
+        raise ValidationError(name, f"must be at most {max_chars} characters (got {len(value)})")
+
+
+def _optional_int(data: Mapping[str, Any], name: str, low: int = 0, high: int = 2**31) -> int | None:
+    value = _get(data, name, int, required=False)
+    if value is not None:
+        _check_range(name, value, low, high)
+    return value
+
+
+# --- request envelope -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the predictor adds: token counts and the output-length distribution."""
+
+    prompt_tokens: int
+    predicted_output_tokens: int
+    p10_tokens: int
+    p90_tokens: int
+    predictor_version: str
+
+    def to_map(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_map(cls, data: Mapping[str, Any]) -> Prediction:
+        return cls(
+            prompt_tokens=_get(data, "prompt_tokens", int),
+            predicted_output_tokens=_get(data, "predicted_output_tokens", int),
+            p10_tokens=_get(data, "p10_tokens", int),
+            p90_tokens=_get(data, "p90_tokens", int),
+            predictor_version=_get(data, "predictor_version", str),
+        )
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What the dispatcher adds: where the request goes and what it expects there."""
+
+    instance_id: str
+    policy: str
+    decided_at_s: float
+    decision_ms: float
+    predicted_ttft_ms: float | None = None
+    predicted_e2e_ms: float | None = None
+
+    def to_map(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_map(cls, data: Mapping[str, Any]) -> Assignment:
+        return cls(
+            instance_id=_get(data, "instance_id", str),
+            policy=_get(data, "policy", str),
+            decided_at_s=_get_float(data, "decided_at_s"),
+            decision_ms=_get_float(data, "decision_ms"),
+            predicted_ttft_ms=_get_float(data, "predicted_ttft_ms", required=False),
+            predicted_e2e_ms=_get_float(data, "predicted_e2e_ms", required=False),
+        )
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, as it travels from the client to a worker.
+
+    ``prompt`` is text or a tuple of token ids. ``deadline_s`` and ``submitted_at_s`` are
+    wall-clock epoch seconds. ``true_output_tokens`` is carried only by trace replays (the
+    emulated engine ends the request there); ``trace_predicted_output_tokens`` is a
+    prediction shipped with a trace.
+    """
+
+    id: str
+    prompt: str | tuple[int, ...]
+    max_tokens: int
+    reply_stream: str
+    submitted_at_s: float
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    priority: str = "interactive"
+    deadline_s: float | None = None
+    tenant: str = "default"
+    num_turns: int = 1
+    true_output_tokens: int | None = None
+    trace_predicted_output_tokens: int | None = None
+    prediction: Prediction | None = None
+    assignment: Assignment | None = None
+    schema_version: int = field(default=SCHEMA_VERSION)
+
+    def with_prediction(self, prediction: Prediction) -> Request:
+        return replace(self, prediction=prediction)
+
+    def with_assignment(self, assignment: Assignment) -> Request:
+        return replace(self, assignment=assignment)
+
+    def to_map(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"v": self.schema_version, "kind": "request"}
+        for f in fields(self):
+            if f.name == "schema_version":
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, Prediction | Assignment):
+                value = value.to_map()
+            elif isinstance(value, tuple):
+                value = list(value)
+            if value is not None:
+                data[f.name] = value
+        return data
+
+    @classmethod
+    def from_map(cls, data: Mapping[str, Any], limits: ProtocolLimits = DEFAULT_LIMITS) -> Request:
+        _check_envelope(data, "request")
+        request_id = _get(data, "id", str)
+        if not request_id:
+            raise ValidationError("id", "must not be empty")
+        _check_text("id", request_id, limits.max_id_chars)
+        max_tokens = _get(data, "max_tokens", int)
+        _check_range("max_tokens", max_tokens, limits.min_max_tokens, limits.max_max_tokens)
+        temperature = _get_float(data, "temperature", required=False)
+        top_p = _get_float(data, "top_p", required=False)
+        priority = _get(data, "priority", str, required=False) or "interactive"
+        if priority not in PRIORITIES:
+            raise ValidationError("priority", f"must be one of {', '.join(PRIORITIES)} (got {priority!r})")
+        tenant = _get(data, "tenant", str, required=False) or "default"
+        _check_text("tenant", tenant, limits.max_tenant_chars)
+        prediction = _get(data, "prediction", dict, required=False)
+        assignment = _get(data, "assignment", dict, required=False)
+        request = cls(
+            id=request_id,
+            prompt=_decode_prompt(data, limits),
+            max_tokens=max_tokens,
+            reply_stream=_get(data, "reply_stream", str),
+            submitted_at_s=_get_float(data, "submitted_at_s"),
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            stop=_decode_stop(data, limits),
+            priority=priority,
+            deadline_s=_get_float(data, "deadline_s", required=False),
+            tenant=tenant,
+            num_turns=_optional_int(data, "num_turns", 1, 10_000) or 1,
+            true_output_tokens=_optional_int(data, "true_output_tokens", 1),
+            trace_predicted_output_tokens=_optional_int(data, "trace_predicted_output_tokens", 0),
+            prediction=Prediction.from_map(prediction) if prediction is not None else None,
+            assignment=Assignment.from_map(assignment) if assignment is not None else None,
+        )
+        _check_range("temperature", request.temperature, 0.0, 2.0)
+        if not 0.0 < request.top_p <= 1.0:
+            raise ValidationError("top_p", f"must be in (0, 1] (got {request.top_p})")
+        return request
+
+
+def _check_envelope(data: Mapping[str, Any], kind: str) -> None:
+    version = _get(data, "v", int)
+    if version != SCHEMA_VERSION:
+        raise ValidationError("v", f"unsupported schema version {version} (supported: {SCHEMA_VERSION})")
+    got = _get(data, "kind", str)
+    if got != kind:
+        raise ValidationError("kind", f"expected {kind!r} (got {got!r})")
+
+
+def _decode_prompt(data: Mapping[str, Any], limits: ProtocolLimits) -> str | tuple[int, ...]:
+    prompt = _get(data, "prompt", (str, list, tuple))
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValidationError("prompt", "must not be empty")
+        _check_text("prompt", prompt, limits.max_prompt_chars)
+        return prompt
+    if not prompt:
+        raise ValidationError("prompt", "token id list must not be empty")
+    if len(prompt) > limits.max_prompt_token_ids:
+        raise ValidationError(
+            "prompt", f"must have at most {limits.max_prompt_token_ids} token ids (got {len(prompt)})"
+        )
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in prompt):
+        raise ValidationError("prompt", "token ids must be integers in [0, 2**31)")
+    return tuple(prompt)
+
+
+def _decode_stop(data: Mapping[str, Any], limits: ProtocolLimits) -> tuple[str, ...]:
+    stop = _get(data, "stop", (list, tuple, str), required=False)
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if len(stop) > limits.max_stop_sequences:
+        raise ValidationError("stop", f"must have at most {limits.max_stop_sequences} entries (got {len(stop)})")
+    for item in stop:
+        if not isinstance(item, str) or not item:
+            raise ValidationError("stop", "entries must be non-empty strings")
+        _check_text("stop", item, limits.max_stop_chars)
+    return tuple(stop)
+
+
+# --- messages on reply, done, heartbeat and dead-letter streams ---------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a request's output on its reply stream. ``index`` counts from 0."""
+
+    request_id: str
+    index: int
+    text: str
+    num_tokens: int
+
+    def to_map(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "kind": "chunk", "id": self.request_id, "index": self.index,
+                "text": self.text, "num_tokens": self.num_tokens}
+
+
+@dataclass(frozen=True)
+class FinalRecord:
+    """The last entry on a reply stream. Times in milliseconds; ``None`` when unknown.
+
+    ``status`` is ``ok``, ``cancelled`` or ``error``; ``index`` is one past the last chunk's
+    index, so a reader knows how many chunks precede it.
+    """
+
+    request_id: str
+    index: int
+    status: str
+    text: str
+    output_tokens: int
+    prompt_tokens: int
+    instance: str
+    finish_reason: str
+    queue_wait_ms: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    num_preemptions: int = 0
+    predicted_output_tokens: int | None = None
+    predicted_ttft_ms: float | None = None
+    predicted_e2e_ms: float | None = None
+    error: str | None = None
+
+    def to_map(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["id"] = data.pop("request_id")
+        return {"v": SCHEMA_VERSION, "kind": "final", **data}
+
+    @classmethod
+    def from_map(cls, data: Mapping[str, Any]) -> FinalRecord:
+        _check_envelope(data, "final")
+        values = {f.name: data.get(f.name) for f in fields(cls) if f.name != "request_id"}
+        return cls(request_id=_get(data, "id", str), **values)
+
+
+@dataclass(frozen=True)
+class DoneRecord:
+    """One entry of the ``done`` stream: the truth about a finished request."""
+
+    request_id: str
+    instance: str
+    status: str
+    prompt_tokens: int
+    output_tokens: int
+    predicted_output_tokens: int | None
+    predictor_version: str | None
+    policy: str | None
+    submitted_at_s: float
+    finished_at_s: float
+    queue_wait_ms: float | None
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+    predicted_ttft_ms: float | None
+    predicted_e2e_ms: float | None
+    num_preemptions: int
+    tenant: str = "default"
+    priority: str = "interactive"
+
+    def to_map(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "kind": "done", **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_map(cls, data: Mapping[str, Any]) -> DoneRecord:
+        _check_envelope(data, "done")
+        return cls(**{f.name: data.get(f.name) for f in fields(cls)})
+
+
+def decode_reply_entry(raw: bytes) -> Chunk | FinalRecord:
+    """Decode one entry of a reply stream."""
+    data = unpack_map(raw)
+    kind = data.get("kind")
+    if kind == "chunk":
+        _check_envelope(data, "chunk")
+        return Chunk(request_id=_get(data, "id", str), index=_get(data, "index", int),
+                     text=_get(data, "text", str), num_tokens=_get(data, "num_tokens", int))
+    return FinalRecord.from_map(data)
+
+
+# --- msgpack layer ----------------------------------------------------------------------
+
+
+def encode(message: Any) -> bytes:
+    """msgpack bytes of a message (anything with ``to_map()``) or a plain map."""
+    data = message.to_map() if hasattr(message, "to_map") else message
+    return msgpack.packb(data, use_bin_type=True)
+
+
+def unpack_map(raw: bytes, limits: ProtocolLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Decode msgpack bytes into a map, bounded by ``limits``; never raises anything but
+    :class:`ValidationError`."""
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise ValidationError("message", f"must be bytes (got {type(raw).__name__})")
+    if len(raw) > limits.max_message_bytes:
+        raise ValidationError(
+            "message", f"must be at most {limits.max_message_bytes} bytes (got {len(raw)})"
+        )
+    try:
+        data = msgpack.unpackb(
+            raw, raw=False, strict_map_key=True,
+            max_str_len=limits.max_message_bytes, max_bin_len=limits.max_message_bytes,
+            max_array_len=limits.max_prompt_token_ids, max_map_len=256,
+        )
+    except Exception as exc:  # msgpack raises many types on garbage; all mean "undecodable"
+        raise ValidationError("message", f"not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise ValidationError("message", f"must be a map (got {type(data).__name__})")
+    return data
+
+
+def decode_request(raw: bytes, limits: ProtocolLimits = DEFAULT_LIMITS) -> Request:
+    """Decode and validate a request; raises :class:`ValidationError` naming the field."""
+    return Request.from_map(unpack_map(raw, limits), limits)
+
+
+# --- heartbeats -------------------------------------------------------------------------
+
+INSTANCE_STATES = ("joining", "live", "draining", "stopped")
+MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProgress:
+    """One request as an engine reports it in a heartbeat."""
+
+    request_id: str
+    prompt_tokens: int
+    num_computed_tokens: int
+    num_generated_tokens: int
+    predicted_output_tokens: int | None = None
+    p90_tokens: int | None = None
+
+    def to_list(self) -> list[Any]:
+        return [self.request_id, self.prompt_tokens, self.num_computed_tokens,
+                self.num_generated_tokens, self.predicted_output_tokens, self.p90_tokens]
+
+    @classmethod
+    def from_list(cls, values: list[Any]) -> RequestProgress:
+        if not isinstance(values, list | tuple) or len(values) != 6:
+            raise ValidationError("running", "entries must be 6-element lists")
+        return cls(*values)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a worker publishes every heartbeat interval about one engine instance.
+
+    ``sent_at_s`` is wall-clock time; ``engine_time_s`` the engine's own (model) clock.
+    ``step_samples`` are recent steps as (prefill tokens, decode seqs, KV tokens attended,
+    seconds, prefill attention pairs). ``finished_ids`` lists requests finished since the previous beat. When a
+    list had to be cut to :data:`MAX_HEARTBEAT_REQUESTS`, ``truncated`` is true and the
+    ``num_*_total`` fields keep the real counts.
+    """
+
+    instance_id: str
+    state: str
+    seq: int
+    sent_at_s: float
+    engine_time_s: float
+    model: str
+    preset: str
+    engine_config: dict[str, Any]
+    latency_model: dict[str, Any] | None
+    num_used_blocks: int
+    running: tuple[RequestProgress, ...]
+    waiting: tuple[RequestProgress, ...]
+    num_running_total: int
+    num_waiting_total: int
+    finished_ids: tuple[str, ...] = ()
+    step_samples: tuple[tuple[int | float, ...], ...] = ()
+    lag_p99_ms: float = 0.0
+    time_scale: float = 1.0
+    truncated: bool = False
+
+    def to_map(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["running"] = [r.to_list() for r in self.running]
+        data["waiting"] = [r.to_list() for r in self.waiting]
+        data["finished_ids"] = list(self.finished_ids)
+        data["step_samples"] = [list(s) for s in self.step_samples]
+        return {"v": SCHEMA_VERSION, "kind": "heartbeat", **data}
+
+    @classmethod
+    def from_map(cls, data: Mapping[str, Any]) -> Heartbeat:
+        _check_envelope(data, "heartbeat")
+        state = _get(data, "state", str)
+        if state not in INSTANCE_STATES:
+            raise ValidationError("state", f"must be one of {', '.join(INSTANCE_STATES)} (got {state!r})")
+        values = {f.name: data.get(f.name) for f in fields(cls)}
+        values["running"] = tuple(RequestProgress.from_list(v) for v in _get(data, "running", list))
+        values["waiting"] = tuple(RequestProgress.from_list(v) for v in _get(data, "waiting", list))
+        values["finished_ids"] = tuple(data.get("finished_ids") or ())
+        values["step_samples"] = tuple(tuple(s) for s in data.get("step_samples") or ())
+        _get(data, "instance_id", str)
+        _get(data, "seq", int)
+        _get_float(data, "sent_at_s")
+        _get(data, "engine_config", dict)
+        return cls(**values)
+
+
+def decode_heartbeat(raw: bytes) -> Heartbeat:
+    return Heartbeat.from_map(unpack_map(raw))

@@ -1,0 +1,1 @@
+"""The dispatcher: cluster view from heartbeats, runtime simulator, placement policies."""

@@ -1,0 +1,49 @@
+"""``python -m dispatcher`` / ``blockq dispatcher``: the placement service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+
+from blockq.service import add_common_arguments, run_service, settings_from_args
+from blockq.streams import connect_async
+from dispatcher.forecast import OBJECTIVES
+from dispatcher.policies import POLICY_FACTORIES
+from dispatcher.service import DispatcherOptions, create_dispatcher
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument("--policy", default="round_robin", choices=sorted(POLICY_FACTORIES))
+    parser.add_argument("--objective", default="e2e", choices=OBJECTIVES,
+                        help="what block/power_of_two/oracle minimise (model-time seconds)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for randomised policies and tie breaks")
+    parser.add_argument("--dispatcher-id", default=None, help="consumer name (default host-pid)")
+    parser.add_argument("--batch-size", type=int, default=128, help="max ready entries per read")
+    parser.add_argument("--dead-after-s", type=float, default=5.0,
+                        help="seconds without a heartbeat before an instance is dead and its queue re-placed")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+
+    async def main(stop: asyncio.Event) -> None:
+        client = connect_async(settings.redis_url)
+        dispatcher = create_dispatcher(
+            client, settings, args.policy, seed=args.seed, objective=args.objective,
+            dispatcher_id=args.dispatcher_id or f"dispatch-{socket.gethostname()}-{os.getpid()}",
+            options=DispatcherOptions(batch_size=args.batch_size, dead_after_s=args.dead_after_s))
+        try:
+            await dispatcher.run(stop)
+        finally:
+            await client.aclose()
+
+    return run_service(settings, "dispatcher", main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dispatcher", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

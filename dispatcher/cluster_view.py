@@ -1,0 +1,141 @@
+"""The dispatcher's view of the fleet, built from heartbeats (pure: time is passed in).
+
+Health follows each instance's beats: ``joining`` until its first ``live`` beat, ``live``
+while beats arrive, ``suspect`` after two missed intervals, ``dead`` after
+``dead_after_s`` without a beat; ``draining`` / ``stopped`` when the worker says so.
+Only ``live`` instances receive new requests.
+
+A heartbeat is a snapshot from the past, so the view also remembers what the
+dispatcher itself assigned since: ``assigned_not_seen`` holds requests placed on an
+instance that its latest beat does not show yet; they are dropped once a beat shows them
+(running, waiting or finished).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from blockq.engine_model import EngineConfig, StepLatencyModel, get_preset
+from blockq.health import HealthPolicy
+from blockq.protocol import Heartbeat, Request
+from dispatcher.replica import InstanceReplica
+
+
+@dataclass
+class InstanceView:
+    """What the dispatcher knows about one instance."""
+
+    instance_id: str
+    heartbeat: Heartbeat
+    last_beat_at_s: float           # dispatcher's clock when the beat was applied
+    health: str = "joining"
+    assigned_not_seen: dict[str, Request] = field(default_factory=dict)
+    num_assigned_total: int = 0
+    replica: InstanceReplica | None = None
+    replica_synced_seq: int = -1     # seq of the beat the replica was last rebuilt from
+
+    @property
+    def config(self) -> EngineConfig:
+        return EngineConfig.from_dict(self.heartbeat.engine_config)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self.heartbeat.engine_config.get("num_gpu_blocks", 0)) - self.heartbeat.num_used_blocks
+
+    @property
+    def num_running(self) -> int:
+        return self.heartbeat.num_running_total
+
+    @property
+    def num_waiting(self) -> int:
+        return self.heartbeat.num_waiting_total
+
+    @property
+    def num_outstanding(self) -> int:
+        """Running + waiting + assigned but not yet in a beat."""
+        return self.num_running + self.num_waiting + len(self.assigned_not_seen)
+
+
+class ClusterView:
+    """Instances by id, updated by :meth:`apply_heartbeat` and :meth:`refresh_health`."""
+
+    def __init__(self, health_policy: HealthPolicy | None = None, *, use_true_lengths: bool = False) -> None:
+        self.health_policy = health_policy or HealthPolicy()
+        self.instances: dict[str, InstanceView] = {}
+        self.use_true_lengths = use_true_lengths
+
+    def replica(self, view: InstanceView, now_wall_s: float) -> InstanceReplica:
+        """``view``'s scheduler replica, rebuilt from its latest beat if one arrived since,
+        else advanced to ``now_wall_s`` along its own trajectory."""
+        beat = view.heartbeat
+        if view.replica is None:
+            view.replica = InstanceReplica(view.config, _latency_model(beat), use_truth=self.use_true_lengths)
+        if view.replica_synced_seq != beat.seq:
+            view.replica.sync(beat, view.assigned_not_seen.values(), now_wall_s)
+            view.replica_synced_seq = beat.seq
+        else:
+            view.replica.advance(now_wall_s)
+        return view.replica
+
+    def apply_heartbeat(self, beat: Heartbeat, now_s: float) -> InstanceView:
+        """Record ``beat``; stale or repeated beats (seq not newer) change nothing."""
+        view = self.instances.get(beat.instance_id)
+        if view is None:
+            view = InstanceView(beat.instance_id, beat, now_s)
+            self.instances[beat.instance_id] = view
+        elif beat.seq <= view.heartbeat.seq and beat.sent_at_s <= view.heartbeat.sent_at_s:
+            return view
+        view.heartbeat = beat
+        view.last_beat_at_s = now_s
+        view.health = beat.state
+        self._reconcile(view, beat)
+        return view
+
+    @staticmethod
+    def _reconcile(view: InstanceView, beat: Heartbeat) -> None:
+        if not view.assigned_not_seen:
+            return
+        seen = {r.request_id for r in beat.running}
+        seen.update(r.request_id for r in beat.waiting)
+        seen.update(beat.finished_ids)
+        for request_id in seen & view.assigned_not_seen.keys():
+            del view.assigned_not_seen[request_id]
+
+    def refresh_health(self, now_s: float) -> list[InstanceView]:
+        """Update health from beat ages; returns the instances that just became ``dead``."""
+        newly_dead = []
+        for view in self.instances.values():
+            if view.health in ("dead", "stopped"):
+                continue
+            view.health = self.health_policy.classify(view.heartbeat.state, now_s - view.last_beat_at_s)
+            if view.health == "dead":
+                newly_dead.append(view)
+        return newly_dead
+
+    def record_assignment(self, instance_id: str, request: Request) -> None:
+        view = self.instances[instance_id]
+        view.assigned_not_seen[request.id] = request
+        view.num_assigned_total += 1
+        if view.replica is None:
+            return
+        if view.replica_synced_seq == view.heartbeat.seq:
+            view.replica.add_assignment(request)
+        else:
+            view.replica.remember(request)  # the rebuild from the new beat adds it
+
+    def live_instances(self) -> list[InstanceView]:
+        """Instances that may receive new requests, in a stable (id) order."""
+        return sorted((v for v in self.instances.values() if v.health == "live"),
+                      key=lambda v: v.instance_id)
+
+    def forget(self, instance_ids: Iterable[str]) -> None:
+        for instance_id in instance_ids:
+            self.instances.pop(instance_id, None)
+
+
+def _latency_model(beat: Heartbeat) -> StepLatencyModel:
+    """The latency model an instance publishes, else its preset's."""
+    if beat.latency_model:
+        return StepLatencyModel.from_dict(beat.latency_model)
+    return get_preset(beat.preset).latency_model

@@ -1,0 +1,70 @@
+"""Output lengths to simulate with, from a predicted distribution.
+
+A request's prediction is three quantiles (p10, p50, p90). We read them as a lognormal
+distribution: median p50, and sigma from the p10–p90 spread (``ln(p90/p10) / (2·1.2816)``).
+
+For a request that has already generated ``g`` tokens, the stale point estimate is the
+wrong number to simulate with: if ``g`` is past p50, it says "finishes now" for a request
+that has shown it is long. We use the median of the distribution *conditioned on L > g*:
+``exp(mu + sigma · Φ⁻¹((1 + Φ(z)) / 2))`` with ``z = (ln g − mu) / sigma``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+_Z90 = 1.2815515655446004  # Φ⁻¹(0.9)
+_STANDARD_NORMAL = NormalDist()
+
+# When a request carries no prediction at all: a ShareGPT-like spread around 250 tokens.
+DEFAULT_SPREAD_RATIO = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class LengthBelief:
+    """What the dispatcher believes about one request's total output length (tokens)."""
+
+    p50_tokens: int
+    p10_tokens: int
+    p90_tokens: int
+    true_tokens: int | None = None   # known only in trace replays; used by the oracle policy
+
+    @property
+    def sigma(self) -> float:
+        p10 = max(1, min(self.p10_tokens, self.p50_tokens))
+        p90 = max(self.p50_tokens, self.p90_tokens, p10 + 1)
+        return max(0.05, math.log(p90 / p10) / (2 * _Z90))
+
+    def remaining_target(self, num_generated_tokens: int, *, use_truth: bool = False) -> int:
+        """Total output tokens to simulate for a request that produced ``num_generated_tokens``;
+        always > ``num_generated_tokens``."""
+        if use_truth and self.true_tokens is not None:
+            return max(self.true_tokens, num_generated_tokens + 1)
+        if num_generated_tokens < max(1, self.p10_tokens) // 2:
+            # Early on, conditioning barely moves the median: skip the normal-cdf math.
+            return max(self.p50_tokens, num_generated_tokens + 1)
+        return max(conditional_median(self.p50_tokens, self.sigma, num_generated_tokens), num_generated_tokens + 1)
+
+
+def conditional_median(p50_tokens: int, sigma: float, num_generated_tokens: int) -> int:
+    """Median of a lognormal(ln p50, sigma) length given that it exceeds ``num_generated_tokens``."""
+    if num_generated_tokens <= 0:
+        return p50_tokens
+    mu = math.log(max(1, p50_tokens))
+    z = (math.log(num_generated_tokens) - mu) / sigma
+    tail_start = _STANDARD_NORMAL.cdf(z)
+    # Median of the truncated distribution: the point halfway through the remaining mass.
+    quantile = min(1 - 1e-12, (1 + tail_start) / 2)
+    return int(round(math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(quantile))))
+
+
+def belief_from_prediction(p50_tokens: int | None, p10_tokens: int | None = None, p90_tokens: int | None = None,
+                           true_tokens: int | None = None, *, default_p50_tokens: int = 250) -> LengthBelief:
+    """A belief from whatever the request carries; missing quantiles get a default spread."""
+    p50 = max(1, p50_tokens if p50_tokens is not None else default_p50_tokens)
+    spread = math.sqrt(DEFAULT_SPREAD_RATIO)
+    p10 = p10_tokens if p10_tokens is not None else max(1, int(p50 / spread))
+    p90 = p90_tokens if p90_tokens is not None else int(p50 * spread)
+    return LengthBelief(p50, p10, p90, true_tokens)

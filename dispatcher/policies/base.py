@@ -1,0 +1,27 @@
+"""The one small interface every placement policy implements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from blockq.protocol import Request
+from dispatcher.cluster_view import InstanceView
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes and what the policy expects there (``None``: no estimate)."""
+
+    instance_id: str
+    predicted_ttft_ms: float | None = None
+    predicted_e2e_ms: float | None = None
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+        """Pick one of ``candidates`` (non-empty, live instances) for ``request``."""
+        ...

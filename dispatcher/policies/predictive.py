@@ -1,0 +1,70 @@
+"""Policies that place by simulation: ``block`` (every live instance), ``power_of_two``
+(two sampled instances) and ``oracle`` (``block`` with true output lengths)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from blockq.protocol import Request
+from dispatcher.cluster_view import ClusterView, InstanceView
+from dispatcher.forecast import OBJECTIVES, BaselineCache, Forecast, forecast
+from dispatcher.policies.base import Decision
+
+
+class Block:
+    """For every candidate: clone its replica, add the request with its predicted length,
+    simulate until everything there finishes, score by the objective; lowest wins, ties
+    at random. ``e2e`` (default) = the request's completion time plus the delay it adds to
+    the requests already there."""
+
+    name = "block"
+    use_truth = False
+
+    def __init__(self, view: ClusterView, rng: random.Random, objective: str = "e2e") -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective: must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
+        self.view = view
+        self.rng = rng
+        self.objective = objective
+        self.baselines = BaselineCache()
+
+    def forecast(self, request: Request, candidate: InstanceView, now_s: float) -> Forecast:
+        replica = self.view.replica(candidate, now_s)
+        baseline = self.baselines.finish_times(replica)
+        engine_request = replica.engine_request(request, arrival_s=replica.scheduler.now_s, use_truth=self.use_truth)
+        return forecast(replica, engine_request, baseline)
+
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+        return self._best(request, candidates, now_s)
+
+    def _best(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+        scored = [(self.forecast(request, c, now_s), c) for c in candidates]
+        scores = [f.score(self.objective) for f, _ in scored]
+        best = min(scores)
+        ties = [pair for pair, s in zip(scored, scores, strict=True) if s <= best + 1e-9]
+        chosen_forecast, chosen = self.rng.choice(ties)
+        return Decision(chosen.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
+                        predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
+
+
+class PowerOfTwo(Block):
+    """Two instances sampled at random, the better by the ``block`` metric."""
+
+    name = "power_of_two"
+
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+        sample = self.rng.sample(list(candidates), min(2, len(candidates)))
+        return self._best(request, sample, now_s)
+
+
+class Oracle(Block):
+    """``block`` with every request's true output length: benchmarks only."""
+
+    name = "oracle"
+    use_truth = True
+
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+        if request.true_output_tokens is None:
+            raise ValueError("true_output_tokens: the oracle policy needs it on every request (trace replay only)")
+        return self._best(request, candidates, now_s)

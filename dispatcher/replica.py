@@ -1,0 +1,139 @@
+"""The dispatcher's replica of one instance's scheduler, kept current between beats.
+
+A heartbeat is a snapshot from the past. On each new beat the replica is rebuilt from it
+(:meth:`EngineScheduler.restore`), with output targets from what is known about each
+request (:mod:`dispatcher.lengths`: tokens generated so far and the conditional length
+distribution), advanced by the model time elapsed since the beat, and given back the
+requests this dispatcher assigned that the beat does not show yet. Between beats, the
+replica advances along its own deterministic trajectory, and each assignment is added to
+it at once, so that the next decision sees it.
+
+The latency model starts from the one the instance publishes and is refitted online from
+the step timings in its beats, so the replica follows the real hardware.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from blockq.engine_model import (
+    EngineConfig,
+    EngineRequest,
+    EngineScheduler,
+    StepLatencyModel,
+    StepSample,
+)
+from blockq.protocol import Heartbeat, Request, RequestProgress
+from dispatcher.lengths import LengthBelief, belief_from_prediction
+
+REFIT_EVERY_BEATS = 50
+MAX_REFIT_SAMPLES = 2000
+MAX_BELIEFS = 20_000
+
+
+def belief_of(request: Request) -> LengthBelief:
+    """The length belief carried by a request (its prediction, and truth when replayed)."""
+    prediction = request.prediction
+    if prediction is None:
+        return belief_from_prediction(None, true_tokens=request.true_output_tokens)
+    return belief_from_prediction(prediction.predicted_output_tokens, prediction.p10_tokens,
+                                  prediction.p90_tokens, request.true_output_tokens)
+
+
+def prompt_tokens_of(request: Request) -> int:
+    if request.prediction is not None:
+        return request.prediction.prompt_tokens
+    return len(request.prompt) if not isinstance(request.prompt, str) else max(1, len(request.prompt) // 4)
+
+
+class InstanceReplica:
+    """A scheduler replica of one instance (model time), plus what it needs to rebuild."""
+
+    def __init__(self, config: EngineConfig, latency_model: StepLatencyModel, *, use_truth: bool = False) -> None:
+        self.config = config
+        self.latency_model = latency_model
+        self.use_truth = use_truth
+        self.scheduler = EngineScheduler(config, latency_model)
+        self.beliefs: dict[str, LengthBelief] = {}
+        self._samples: deque[StepSample] = deque(maxlen=MAX_REFIT_SAMPLES)
+        self._num_beats = 0
+        self._beat: Heartbeat | None = None
+        self.version = 0          # bumped on every change that invalidates cached forecasts
+
+    # --- model time ---------------------------------------------------------------------
+
+    def model_time_s(self, now_wall_s: float) -> float:
+        """The instance's model time at wall time ``now_wall_s``, extrapolated from its beat."""
+        beat = self._beat
+        if beat is None:
+            return self.scheduler.now_s
+        return beat.engine_time_s + max(0.0, now_wall_s - beat.sent_at_s) / (beat.time_scale or 1.0)
+
+    # --- updates ------------------------------------------------------------------------
+
+    def sync(self, beat: Heartbeat, assigned_not_seen: Iterable[Request], now_wall_s: float) -> None:
+        """Rebuild from ``beat``, advance to now, add the assignments the beat lacks."""
+        self._observe_samples(beat)
+        self._beat = beat
+        scheduler = EngineScheduler(self.config, self.latency_model, now_s=beat.engine_time_s)
+        scheduler.restore(self._engine_requests(beat.running), self._engine_requests(beat.waiting))
+        scheduler.run_until(self.model_time_s(now_wall_s))
+        for request in assigned_not_seen:
+            scheduler.add_request(self.engine_request(request, arrival_s=scheduler.now_s))
+        self.scheduler = scheduler
+        self._forget_finished(beat.finished_ids)
+        self.version += 1
+
+    def advance(self, now_wall_s: float) -> None:
+        """Advance along the replica's own trajectory to ``now_wall_s`` (no forecast changes)."""
+        self.scheduler.run_until(self.model_time_s(now_wall_s))
+
+    def remember(self, request: Request) -> None:
+        """Keep the length belief of a request placed here (beats carry less than requests)."""
+        self.beliefs[request.id] = belief_of(request)
+        if len(self.beliefs) > MAX_BELIEFS:
+            self.beliefs.pop(next(iter(self.beliefs)))
+
+    def add_assignment(self, request: Request) -> None:
+        """Record a request just placed here, so the next decision sees it."""
+        self.remember(request)
+        self.scheduler.add_request(self.engine_request(request, arrival_s=self.scheduler.now_s))
+        self.version += 1
+
+    def engine_request(self, request: Request, *, arrival_s: float, use_truth: bool | None = None) -> EngineRequest:
+        belief = self.beliefs.get(request.id) or belief_of(request)
+        truth = self.use_truth if use_truth is None else use_truth
+        prompt_tokens = min(prompt_tokens_of(request), self.config.max_model_len - 1)
+        return EngineRequest(request_id=request.id, prompt_tokens=prompt_tokens,
+                             output_target_tokens=belief.remaining_target(0, use_truth=truth), arrival_s=arrival_s)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _engine_requests(self, progress: Iterable[RequestProgress]) -> list[EngineRequest]:
+        requests = []
+        for item in progress:
+            belief = self.beliefs.get(item.request_id) or belief_from_prediction(
+                item.predicted_output_tokens, None, item.p90_tokens)
+            prompt_tokens = min(item.prompt_tokens, self.config.max_model_len - 1)
+            target = belief.remaining_target(item.num_generated_tokens, use_truth=self.use_truth)
+            target = min(target, self.config.max_model_len - prompt_tokens)
+            if item.num_generated_tokens >= target:
+                continue  # at its length limit: finishes on its next token, nothing to model
+            requests.append(EngineRequest(
+                request_id=item.request_id, prompt_tokens=prompt_tokens, output_target_tokens=target,
+                num_computed_tokens=item.num_computed_tokens, num_generated_tokens=item.num_generated_tokens))
+        return requests
+
+    def _observe_samples(self, beat: Heartbeat) -> None:
+        for sample in beat.step_samples:
+            prefill, decode, kv, seconds = (int(sample[0]), int(sample[1]), int(sample[2]), float(sample[3]))
+            pairs = int(sample[4]) if len(sample) > 4 else None
+            self._samples.append(StepSample(prefill, decode, kv, seconds, pairs))
+        self._num_beats += 1
+        if self._num_beats % REFIT_EVERY_BEATS == 0 and len(self._samples) >= 32:
+            self.latency_model = self.latency_model.refit(list(self._samples))
+
+    def _forget_finished(self, finished_ids: Iterable[str]) -> None:
+        for request_id in finished_ids:
+            self.beliefs.pop(request_id, None)

@@ -1,0 +1,1 @@
+"""Load generation: trace readers, arrival processes, replay, metrics, reports, plots."""

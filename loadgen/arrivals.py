@@ -1,0 +1,112 @@
+"""Arrival processes: when each request of a workload is submitted.
+
+All functions return offsets in seconds from the start of the run (the first arrival at
+0.0), as a float64 numpy array sorted ascending, and are deterministic in their
+arguments: the same seed gives the same schedule.
+
+* :func:`poisson_arrivals` — exponential gaps at a mean rate;
+* :func:`gamma_arrivals` — gamma gaps with shape = burstiness and scale =
+  1 / (rate × burstiness), as vLLM's benchmark and the Block artifact do: the mean rate
+  is kept, the squared coefficient of variation of the gaps is 1 / burstiness
+  (burstiness 1 is Poisson, below 1 burstier, above 1 smoother);
+* :func:`trace_arrivals` — a trace's own timestamps, optionally rescaled to a target rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from loadgen.traces import TraceRequest
+
+
+def _check_rate(rate_per_s: float) -> None:
+    if not np.isfinite(rate_per_s) or rate_per_s <= 0:
+        raise ValueError(f"rate_per_s must be a positive finite number, got {rate_per_s}")
+
+
+def gamma_arrivals(
+    num_requests: int, rate_per_s: float, burstiness: float, seed: int
+) -> np.ndarray:
+    """Offsets (s) of ``num_requests`` arrivals with gamma-distributed gaps.
+
+    The first arrival is at 0.0; the ``num_requests - 1`` gaps after it have mean
+    ``1 / rate_per_s`` and squared coefficient of variation ``1 / burstiness``. Raises
+    ValueError for a non-positive rate or burstiness, or a negative count.
+    """
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    _check_rate(rate_per_s)
+    if not np.isfinite(burstiness) or burstiness <= 0:
+        raise ValueError(f"burstiness must be a positive finite number, got {burstiness}")
+    if num_requests == 0:
+        return np.zeros(0, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    gaps_s = rng.gamma(
+        shape=burstiness, scale=1.0 / (rate_per_s * burstiness), size=num_requests - 1
+    )
+    return np.concatenate(([0.0], np.cumsum(gaps_s))).astype(np.float64)
+
+
+def poisson_arrivals(num_requests: int, rate_per_s: float, seed: int) -> np.ndarray:
+    """Offsets (s) of a Poisson process at ``rate_per_s``; identical to gamma with burstiness 1."""
+    return gamma_arrivals(num_requests, rate_per_s, 1.0, seed)
+
+
+def trace_arrivals(
+    requests: Sequence[TraceRequest], target_rate_per_s: float | None = None
+) -> np.ndarray:
+    """The requests' own ``arrival_offset_s``, rebased to start at 0 and sorted.
+
+    With ``target_rate_per_s`` the times are scaled so the mean rate over the trace's span,
+    (n - 1) / span, equals the target; the burst pattern is kept. Raises ValueError when a
+    request has no offset, or when rescaling a trace whose span is 0.
+    """
+    if not requests:
+        return np.zeros(0, dtype=np.float64)
+    missing = sum(1 for request in requests if request.arrival_offset_s is None)
+    if missing:
+        raise ValueError(f"{missing} of {len(requests)} requests have no arrival_offset_s")
+    offsets_s = np.sort(
+        np.asarray([request.arrival_offset_s for request in requests], dtype=np.float64)
+    )
+    offsets_s -= offsets_s[0]
+    if target_rate_per_s is None or len(offsets_s) < 2:
+        return offsets_s
+    _check_rate(target_rate_per_s)
+    span_s = float(offsets_s[-1])
+    if span_s <= 0:
+        raise ValueError("cannot rescale a trace whose arrivals all share one timestamp")
+    trace_rate_per_s = (len(offsets_s) - 1) / span_s
+    return offsets_s * (trace_rate_per_s / target_rate_per_s)
+
+
+def build_schedule(
+    requests: Sequence[TraceRequest],
+    *,
+    rate_per_s: float | None,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    use_trace_times: bool = False,
+) -> list[tuple[float, TraceRequest]]:
+    """Pair every request with its submit offset (s), in submit order.
+
+    * ``use_trace_times``: the trace's own times (:func:`trace_arrivals`), rescaled to
+      ``rate_per_s`` when it is given; requests are reordered by their timestamps.
+    * otherwise, with ``rate_per_s``: gamma arrivals (:func:`gamma_arrivals`) at that
+      rate with ``burstiness`` (1 = Poisson), assigned to requests in list order.
+    * otherwise (``rate_per_s`` None): every request at 0.0 (an unpaced burst, like
+      vLLM's ``--request-rate inf``).
+
+    The same arguments give the same schedule.
+    """
+    if use_trace_times:
+        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_offset_s or 0.0)
+        ordered = [requests[i] for i in order]
+        offsets_s = trace_arrivals(ordered, rate_per_s)
+        return [(float(at_s), request) for at_s, request in zip(offsets_s, ordered, strict=True)]
+    if rate_per_s is None:
+        return [(0.0, request) for request in requests]
+    offsets_s = gamma_arrivals(len(requests), rate_per_s, burstiness, seed)
+    return [(float(at_s), request) for at_s, request in zip(offsets_s, requests, strict=True)]

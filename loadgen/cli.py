@@ -1,0 +1,88 @@
+"""``blockq bench`` and ``blockq demo``: policy comparisons on fresh emulated clusters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadgen.bench import BenchConfig, run_bench
+from loadgen.report import markdown_table, with_improvement_ratios, write_report
+
+SUMMARY_KEYS = ("policy", "rate", "requests", "completed", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
+                "tpot_mean_ms", "e2e_mean_ms", "e2e_p99_ms", "throughput_tokens_per_s", "goodput",
+                "lag_p99_ms", "valid")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default="synthetic", help="trace path (format detected) or 'synthetic'")
+    parser.add_argument("--instances", type=int, default=12)
+    parser.add_argument("--instances-per-process", type=int, default=6)
+    parser.add_argument("--preset", default="llama2-7b-a30")
+    parser.add_argument("--policies", type=_names, default=("round_robin", "llumnix", "block", "oracle"))
+    parser.add_argument("--rates", type=_floats, default=(20.0, 24.0, 28.0, 32.0), help="requests/s (model time)")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    parser.add_argument("--trace-times", action="store_true", help="use the trace's own timestamps (rescaled to the rate)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per model second")
+    parser.add_argument("--predictor", default="heuristic", help="fast | heuristic | trace | oracle | roberta")
+    parser.add_argument("--predictor-model", default=None)
+    parser.add_argument("--objective", default=None, help="block objective: e2e | ttft | max_latency")
+    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    parser.add_argument("--lag-bound-ms", type=float, default=50.0)
+    parser.add_argument("--out", type=Path, default=Path("out/bench"))
+    parser.add_argument("--json", action="store_true", help="print the results as a JSON list")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        trace=args.trace, instances=args.instances, instances_per_process=args.instances_per_process,
+        preset=args.preset, policies=args.policies, rates=args.rates, requests=args.requests, seed=args.seed,
+        burstiness=args.burstiness, use_trace_times=args.trace_times, time_scale=args.time_scale,
+        predictor=args.predictor, predictor_model=args.predictor_model, objective=args.objective,
+        slo_ttft_ms=args.slo_ttft_ms, lag_bound_ms=args.lag_bound_ms, out_dir=args.out)
+
+
+def _progress_printer() -> Any:
+    last = {"at": 0.0}
+
+    def show(run: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - last["at"] > 0.5:
+            last["at"] = now
+            sys.stderr.write(f"\r{run:<24} {done:>6}/{total} requests")
+            if done == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    return show
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    results, per_request, kv_samples = run_bench(config, on_progress=_progress_printer())
+    files = write_report(config.out_dir, results, per_request=per_request, kv_samples=kv_samples)
+    if args.json:
+        sys.stdout.write(json.dumps(with_improvement_ratios(results), indent=2, default=str) + "\n")
+    else:
+        sys.stdout.write(markdown_table(results) + "\n")
+        sys.stdout.write(f"\nreport: {', '.join(str(p) for p in files.values())}\n")
+    return 0
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    add_bench_arguments(parser)
+    parser.set_defaults(instances=4, instances_per_process=4, policies=("round_robin", "least_requests", "block"),
+                        rates=(6.0,), requests=300, out=Path("out/demo"))

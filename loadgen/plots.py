@@ -1,0 +1,156 @@
+"""PNG plots of benchmark runs (matplotlib, Agg canvas: no display needed).
+
+Figures are built on :class:`matplotlib.figure.Figure` with an Agg canvas, never through
+``pyplot``, so plotting keeps no global state and works in threads and headless
+processes. Each function writes one PNG and returns its path; a plot with no data still
+gets a file, saying so, so a report always has the same set of files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from loadgen.metrics import KvSample, RequestRecord
+
+_DPI = 110
+
+
+def run_key(policy: str, rate: float | None) -> str:
+    """The name of one (policy, rate) run in per-run maps: ``"block@32"``, or the policy alone."""
+    return policy if rate is None else f"{policy}@{rate:g}"
+
+
+def _new_figure(num_panels: int = 1) -> tuple[Figure, list[Any]]:
+    num_columns = min(num_panels, 3)
+    num_rows = math.ceil(num_panels / num_columns)
+    figure = Figure(figsize=(5.2 * num_columns, 3.8 * num_rows), dpi=_DPI)
+    FigureCanvasAgg(figure)
+    axes = [figure.add_subplot(num_rows, num_columns, i + 1) for i in range(num_panels)]
+    return figure, axes
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    return path
+
+
+def _no_data(path: Path, title: str) -> Path:
+    figure, (axis,) = _new_figure()
+    axis.set_title(title)
+    axis.text(0.5, 0.5, "no data", ha="center", va="center", transform=axis.transAxes)
+    axis.set_axis_off()
+    return _save(figure, path)
+
+
+def _group_by_rate(
+    run_to_records: Mapping[str, Sequence[RequestRecord]],
+    run_to_policy_rate: Mapping[str, tuple[str, float | None]],
+) -> dict[float | None, dict[str, Sequence[RequestRecord]]]:
+    """{rate: {policy (or run key when unknown): records}}, rates ascending."""
+    rate_to_runs: dict[float | None, dict[str, Sequence[RequestRecord]]] = defaultdict(dict)
+    for key, records in run_to_records.items():
+        policy, rate = run_to_policy_rate.get(key, (key, None))
+        rate_to_runs[rate][policy] = records
+    return dict(sorted(rate_to_runs.items(), key=lambda item: (item[0] is None, item[0] or 0.0)))
+
+
+def plot_latency_cdf(
+    path: Path,
+    run_to_records: Mapping[str, Sequence[RequestRecord]],
+    run_to_policy_rate: Mapping[str, tuple[str, float | None]],
+    *,
+    field_name: str,
+    title: str,
+) -> Path:
+    """CDF of one latency field (``"ttft_ms"`` or ``"e2e_ms"``) of completed requests.
+
+    One line per policy; one panel per rate when the runs span several rates.
+    """
+    rate_to_runs = _group_by_rate(run_to_records, run_to_policy_rate)
+    if not any(records for runs in rate_to_runs.values() for records in runs.values()):
+        return _no_data(path, title)
+    figure, axes = _new_figure(len(rate_to_runs))
+    for axis, (rate, runs) in zip(axes, rate_to_runs.items(), strict=True):
+        for label, records in runs.items():
+            values = np.sort(
+                np.asarray(
+                    [
+                        getattr(r, field_name)
+                        for r in records
+                        if r.ok and getattr(r, field_name) is not None
+                    ],
+                    dtype=np.float64,
+                )
+            )
+            if values.size:
+                axis.plot(values, np.arange(1, values.size + 1) / values.size, label=label)
+        axis.set_xlabel(f"{field_name.removesuffix('_ms').upper()} (ms)")
+        axis.set_ylabel("fraction of requests")
+        axis.set_title(title if rate is None else f"{title} at {rate:g} req/s")
+        axis.set_ylim(0.0, 1.0)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def plot_latency_vs_rate(path: Path, results: Sequence[Mapping[str, Any]]) -> Path:
+    """Mean (solid) and P99 (dashed) TTFT per policy against the request rate."""
+    policy_to_points: dict[str, list[tuple[float, float | None, float | None]]] = defaultdict(list)
+    for result in results:
+        if result.get("rate") is None:
+            continue
+        policy_to_points[str(result.get("policy"))].append(
+            (float(result["rate"]), result.get("ttft_mean_ms"), result.get("ttft_p99_ms"))
+        )
+    if not policy_to_points:
+        return _no_data(path, "TTFT vs rate")
+    figure, (axis,) = _new_figure()
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (policy, points) in enumerate(policy_to_points.items()):
+        points.sort()
+        color = colors[index % len(colors)]  # one color per policy for both of its lines
+        means = [(rate, mean) for rate, mean, _ in points if mean is not None]
+        p99s = [(rate, p99) for rate, _, p99 in points if p99 is not None]
+        if means:
+            axis.plot(*zip(*means, strict=True), "o-", color=color, label=f"{policy} mean")
+        if p99s:
+            axis.plot(*zip(*p99s, strict=True), "s--", color=color, label=f"{policy} P99")
+    axis.set_xlabel("request rate (req/s)")
+    axis.set_ylabel("TTFT (ms)")
+    axis.set_title("TTFT vs rate")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def plot_kv_usage(path: Path, run_to_samples: Mapping[str, Sequence[KvSample]]) -> Path:
+    """KV usage of every instance over time, one panel per run (label: the run key)."""
+    runs = {key: samples for key, samples in run_to_samples.items() if samples}
+    if not runs:
+        return _no_data(path, "KV usage per instance")
+    figure, axes = _new_figure(len(runs))
+    for axis, (key, samples) in zip(axes, runs.items(), strict=True):
+        instance_to_points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for sample in samples:
+            instance_to_points[sample.instance].append((sample.at_s, sample.kv_used_fraction))
+        for instance in sorted(instance_to_points):
+            points = sorted(instance_to_points[instance])
+            axis.plot(*zip(*points, strict=True), linewidth=0.8, label=instance)
+        axis.set_xlabel("time (s)")
+        axis.set_ylabel("KV blocks used (fraction)")
+        axis.set_ylim(0.0, 1.05)
+        axis.set_title(f"KV usage: {key}")
+        axis.grid(alpha=0.3)
+        if len(instance_to_points) <= 12:
+            axis.legend(fontsize="x-small", ncol=2)
+    return _save(figure, path)

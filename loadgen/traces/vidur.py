@@ -1,0 +1,69 @@
+"""Vidur / Sarathi-Serve length traces (CSV).
+
+Columns: ``num_prefill_tokens``, ``num_decode_tokens`` (required); ``arrived_at`` (seconds,
+optional: the splitwise_* files carry it); ``num_predicted_decode_tokens`` (optional: a
+predicted output length shipped with the trace, e.g. the Block artifact's
+sharegpt-val-10k-predicted-len.csv, which has CR+LF line endings); ``num_total_tokens`` and
+``pd_ratio`` are ignored. The traces have no text, so prompts are synthetic token ids of
+the recorded length, unique per row. Lengths follow the policy in :mod:`loadgen.traces.base`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loadgen.traces._io import iter_csv_rows, parse_float, parse_int
+from loadgen.traces.base import (
+    DEFAULT_MAX_MODEL_LEN,
+    LengthPolicy,
+    LoadedTrace,
+    TraceRequest,
+    row_token_ids,
+)
+
+REQUIRED_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
+
+
+def read_vidur(
+    path: str | Path,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    max_model_len: int | None = DEFAULT_MAX_MODEL_LEN,
+) -> LoadedTrace:
+    """Read a Vidur-style CSV; stop after ``limit`` kept requests (None: read all).
+
+    ``trace_id`` is the 0-based data-row number. Arrival offsets are the ``arrived_at``
+    values (rebased by :func:`loadgen.traces.load_trace`), None without that column.
+    """
+    policy = LengthPolicy(max_model_len)
+    requests: list[TraceRequest] = []
+    for row_index, row in enumerate(iter_csv_rows(path)):
+        if limit is not None and len(requests) >= limit:
+            break
+        if row_index == 0:
+            missing = [name for name in REQUIRED_COLUMNS if name not in row]
+            if missing:
+                raise ValueError(f"{path}: not a Vidur trace, missing columns {missing}")
+        prompt_tokens = parse_int(row.get("num_prefill_tokens"))
+        output_tokens = parse_int(row.get("num_decode_tokens"))
+        if prompt_tokens is None or output_tokens is None:
+            policy.count_invalid()
+            continue
+        predicted = parse_int(row.get("num_predicted_decode_tokens"))
+        fitted = policy.try_fit(prompt_tokens, output_tokens, predicted)
+        if fitted is None:
+            continue
+        true_output_tokens, predicted = fitted
+        requests.append(
+            TraceRequest(
+                prompt=row_token_ids(row_index, prompt_tokens, seed=seed),
+                prompt_tokens=prompt_tokens,
+                true_output_tokens=true_output_tokens,
+                arrival_offset_s=parse_float(row.get("arrived_at")),
+                predicted_output_tokens=predicted,
+                trace_id=str(row_index),
+            )
+        )
+    policy.log_summary(str(path))
+    return LoadedTrace(requests=requests, stats=policy.stats())

@@ -1,0 +1,5 @@
+import sys
+
+from predictor_service.stage import main
+
+sys.exit(main())

@@ -1,0 +1,339 @@
+"""The ``fast`` backend: prompt features + gradient-boosted quantile trees (LightGBM).
+
+Inputs per request (:meth:`FastLengthModel.featurize`):
+  the hand-made features of :mod:`predictor_service.features`, the bag-of-words score of
+  :mod:`predictor_service.text_score` (stacked: out-of-fold on training rows) and,
+  optionally, 384 frozen MiniLM-L6 embedding dimensions (:mod:`..embeddings`).
+Target: ln(output tokens). Three LightGBM models with the quantile (pinball) objective
+at alpha 0.1, 0.5 and 0.9 give p10, p50 and p90 in log space; since quantiles commute
+with the monotone ln, exp() of them are the quantiles in tokens, and the p50 is the
+estimate that minimises the absolute error in tokens.
+
+Model directory: ``manifest.json``, ``booster_p10.txt``/``booster_p50.txt``/
+``booster_p90.txt`` (LightGBM text format) and the text score files. The version is
+``"fast-"`` + the first 8 hex digits of the sha256 of those model files' contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightgbm
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from predictor_service.features import FEATURE_NAMES, extract_features
+from predictor_service.manifest import Manifest, read_manifest, write_manifest
+from predictor_service.models.base import (
+    FeedbackSample,
+    LengthPrediction,
+    PredictionInput,
+    clip_predictions,
+)
+from predictor_service.text_score import TextScoreConfig, TextScoreModel, fit_text_score
+
+logger = structlog.get_logger(__name__)
+
+QUANTILES: tuple[float, float, float] = (0.1, 0.5, 0.9)
+_BOOSTER_FILE_NAMES = {0.1: "booster_p10.txt", 0.5: "booster_p50.txt", 0.9: "booster_p90.txt"}
+
+
+@dataclass(frozen=True)
+class FastConfig:
+    """Training settings of the ``fast`` model.
+
+    ``num_threads`` 0 lets LightGBM use every core (training and prediction);
+    ``use_embeddings`` adds MiniLM embeddings (about 40-100 prompts/s per core instead of
+    thousands). ``text_score`` None disables the bag-of-words score.
+    """
+
+    num_rounds: int = 400
+    learning_rate: float = 0.03
+    num_leaves: int = 31
+    min_data_in_leaf: int = 20
+    feature_fraction: float = 0.8
+    bagging_fraction: float = 0.8
+    num_threads: int = 0
+    use_embeddings: bool = False
+    embedding_max_length: int = 128
+    text_score: TextScoreConfig | None = field(default_factory=TextScoreConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_rounds < 1:
+            raise ValueError(f"num_rounds: must be >= 1 (got {self.num_rounds})")
+        if self.num_leaves < 2:
+            raise ValueError(f"num_leaves: must be >= 2 (got {self.num_leaves})")
+
+    @classmethod
+    def from_json_dict(cls, data: dict[str, Any]) -> FastConfig:
+        """Inverse of ``dataclasses.asdict`` for a stored config."""
+        values = dict(data)
+        text_score = values.pop("text_score", None)
+        return cls(
+            **values, text_score=TextScoreConfig(**text_score) if text_score is not None else None
+        )
+
+    def lightgbm_params(self, quantile: float, seed: int) -> dict[str, Any]:
+        """LightGBM parameters for the model of one ``quantile``."""
+        return {
+            "objective": "quantile",
+            "alpha": quantile,
+            "learning_rate": self.learning_rate,
+            "num_leaves": self.num_leaves,
+            "min_data_in_leaf": self.min_data_in_leaf,
+            "feature_fraction": self.feature_fraction,
+            "bagging_fraction": self.bagging_fraction,
+            "bagging_freq": 1 if self.bagging_fraction < 1.0 else 0,
+            "num_threads": self.num_threads,
+            "seed": seed,
+            "deterministic": True,
+            "verbose": -1,
+        }
+
+
+def _version_of(boosters: dict[float, lightgbm.Booster], text_model: TextScoreModel | None) -> str:
+    digest = hashlib.sha256()
+    for quantile in QUANTILES:
+        digest.update(boosters[quantile].model_to_string().encode("utf-8"))
+    if text_model is not None:
+        digest.update(text_model.coef.tobytes())
+        digest.update(text_model.idf.tobytes())
+    return "fast-" + digest.hexdigest()[:8]
+
+
+class FastFeaturizer:
+    """Builds the ``fast`` model's input matrix; shared by a model and its refits."""
+
+    def __init__(self, config: FastConfig, text_model: TextScoreModel | None) -> None:
+        if config.text_score is not None and text_model is None:
+            raise ValueError("text_model: required when config.text_score is set")
+        self.config = config
+        self.text_model = text_model if config.text_score is not None else None
+        self._embedder: Any = None
+
+    def transform(
+        self,
+        prompts: Sequence[str],
+        prompt_tokens: Sequence[int],
+        num_turns: Sequence[int],
+        *,
+        text_scores: npt.NDArray[np.float64] | None = None,
+    ) -> npt.NDArray[np.float32]:
+        """The input matrix; ``text_scores`` (e.g. out-of-fold) replaces the text score."""
+        blocks: list[npt.NDArray[Any]] = [extract_features(prompts, prompt_tokens, num_turns)]
+        if self.text_model is not None:
+            scores = self.text_model.score(prompts) if text_scores is None else text_scores
+            blocks.append(np.asarray(scores, dtype=np.float32).reshape(-1, 1))
+        if self.config.use_embeddings:
+            blocks.append(self._get_embedder().embed(prompts))
+        return np.hstack(blocks).astype(np.float32, copy=False)
+
+    def _get_embedder(self) -> Any:
+        if self._embedder is None:
+            from predictor_service.embeddings import get_embedder
+
+            self._embedder = get_embedder(self.config.embedding_max_length)
+        return self._embedder
+
+
+class FastLengthModel:
+    """A fitted ``fast`` model (implements ``LengthPredictor``). Immutable once built."""
+
+    backend = "fast"
+
+    def __init__(
+        self,
+        boosters: dict[float, lightgbm.Booster],
+        featurizer: FastFeaturizer,
+        training_max_tokens: int,
+        *,
+        parent_version: str | None = None,
+    ) -> None:
+        missing = [q for q in QUANTILES if q not in boosters]
+        if missing:
+            raise ValueError(f"boosters: missing quantiles {missing}")
+        self.boosters = dict(boosters)
+        self.featurizer = featurizer
+        self.config = featurizer.config
+        self.training_max_tokens = int(training_max_tokens)
+        self.parent_version = parent_version
+        self.version = _version_of(self.boosters, featurizer.text_model)
+
+    def predict_log_quantiles(self, matrix: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+        """Raw ln-token quantiles, shape ``(3, rows)`` in :data:`QUANTILES` order."""
+        return np.vstack(
+            [
+                self.boosters[quantile].predict(matrix, num_threads=self.config.num_threads)
+                for quantile in QUANTILES
+            ]
+        )
+
+    def predict(self, inputs: Sequence[PredictionInput]) -> list[LengthPrediction]:
+        """Batched prediction; clipped to [1, min(training max, max_tokens)]."""
+        if not inputs:
+            return []
+        matrix = self.featurizer.transform(
+            [one.prompt for one in inputs],
+            [one.prompt_tokens for one in inputs],
+            [one.num_turns for one in inputs],
+        )
+        log_quantiles = self.predict_log_quantiles(matrix)
+        p10, p50, p90 = np.exp(log_quantiles)
+        return clip_predictions(
+            inputs, p10, p50, p90, training_max_tokens=self.training_max_tokens
+        )
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """Backend settings stored in the manifest's ``extra``."""
+        return {
+            "fast_config": asdict(self.config),
+            "feature_names": list(FEATURE_NAMES),
+            "quantiles": list(QUANTILES),
+            "parent_version": self.parent_version,
+        }
+
+    def save(self, model_dir: str | os.PathLike[str]) -> list[Path]:
+        """Write the model files (not the manifest) into ``model_dir`` (created)."""
+        directory = Path(model_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for quantile, file_name in _BOOSTER_FILE_NAMES.items():
+            path = directory / file_name
+            self.boosters[quantile].save_model(str(path))
+            paths.append(path)
+        if self.featurizer.text_model is not None:
+            paths.extend(self.featurizer.text_model.save(directory))
+        return paths
+
+    @classmethod
+    def load(cls, model_dir: str | os.PathLike[str]) -> FastLengthModel:
+        """Load a model directory; ``FileNotFoundError`` names any missing file."""
+        directory = Path(model_dir)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"fast model directory not found: {directory}")
+        manifest = read_manifest(directory)
+        if manifest.backend != "fast":
+            raise ValueError(f"{directory}: manifest backend is {manifest.backend!r}, not 'fast'")
+        config = FastConfig.from_json_dict(manifest.extra.get("fast_config", {}))
+        boosters = {}
+        for quantile, file_name in _BOOSTER_FILE_NAMES.items():
+            path = directory / file_name
+            if not path.is_file():
+                raise FileNotFoundError(f"fast model file not found: {path}")
+            boosters[quantile] = lightgbm.Booster(model_file=str(path))
+        text_model = TextScoreModel.load(directory) if config.text_score is not None else None
+        model = cls(
+            boosters,
+            FastFeaturizer(config, text_model),
+            manifest.training_max_tokens,
+            parent_version=manifest.extra.get("parent_version"),
+        )
+        if model.version != manifest.version:
+            logger.warning(
+                "fast_model_version_mismatch", manifest=manifest.version, files=model.version
+            )
+        return model
+
+
+def train_fast(
+    prompts: Sequence[str],
+    prompt_tokens: Sequence[int],
+    num_turns: Sequence[int],
+    output_tokens: Sequence[int],
+    config: FastConfig | None = None,
+    *,
+    seed: int = 0,
+) -> FastLengthModel:
+    """Fit a ``fast`` model on parallel sequences of training examples.
+
+    ``output_tokens`` are the true lengths (>= 1); the target is their ln. Deterministic
+    for a given ``seed`` and thread count.
+    """
+    settings = config or FastConfig()
+    targets = np.asarray(output_tokens, dtype=np.float64)
+    if len(targets) == 0 or np.any(targets < 1):
+        raise ValueError("output_tokens: need at least one example, all >= 1")
+    log_targets = np.log(targets)
+    text_model: TextScoreModel | None = None
+    out_of_fold: npt.NDArray[np.float64] | None = None
+    if settings.text_score is not None:
+        text_model, out_of_fold = fit_text_score(
+            prompts, log_targets, settings.text_score, seed=seed
+        )
+    featurizer = FastFeaturizer(settings, text_model)
+    matrix = featurizer.transform(prompts, prompt_tokens, num_turns, text_scores=out_of_fold)
+    boosters = {}
+    for quantile in QUANTILES:
+        dataset = lightgbm.Dataset(matrix, log_targets, free_raw_data=False)
+        boosters[quantile] = lightgbm.train(
+            settings.lightgbm_params(quantile, seed), dataset, num_boost_round=settings.num_rounds
+        )
+    return FastLengthModel(boosters, featurizer, int(targets.max()))
+
+
+def refit_fast(
+    previous: FastLengthModel,
+    feedback_samples: Sequence[FeedbackSample],
+    *,
+    decay_rate: float = 0.9,
+) -> FastLengthModel:
+    """Return a new model whose tree leaves are refitted on served requests' true lengths.
+
+    Pure: ``previous`` is unchanged (keep it for rollback). The trees' structure is kept
+    and each leaf value becomes ``decay_rate * old + (1 - decay_rate) * fitted`` on the
+    feedback (LightGBM ``Booster.refit``), so a small batch nudges rather than replaces
+    the model. The text score is kept. The new model has a new ``version``, its
+    ``parent_version`` is ``previous.version`` and its training max grows to cover the
+    feedback. Raises ``ValueError`` for empty feedback or ``decay_rate`` outside [0, 1].
+    """
+    if not feedback_samples:
+        raise ValueError("feedback_samples: need at least one sample to refit")
+    if not 0.0 <= decay_rate <= 1.0:
+        raise ValueError(f"decay_rate: must be in [0, 1] (got {decay_rate})")
+    inputs = [sample.input for sample in feedback_samples]
+    truths = np.array([sample.true_output_tokens for sample in feedback_samples], np.float64)
+    matrix = previous.featurizer.transform(
+        [one.prompt for one in inputs],
+        [one.prompt_tokens for one in inputs],
+        [one.num_turns for one in inputs],
+    )
+    boosters = {
+        quantile: previous.boosters[quantile].refit(
+            matrix, np.log(truths), decay_rate=decay_rate, dataset_params={"min_data_in_bin": 1}
+        )
+        for quantile in QUANTILES
+    }
+    model = FastLengthModel(
+        boosters,
+        previous.featurizer,
+        max(previous.training_max_tokens, int(truths.max())),
+        parent_version=previous.version,
+    )
+    logger.info(
+        "fast_model_refitted",
+        parent_version=previous.version,
+        version=model.version,
+        num_samples=len(feedback_samples),
+    )
+    return model
+
+
+def save_fast_model(
+    model: FastLengthModel, model_dir: str | os.PathLike[str], base_manifest: Manifest
+) -> Manifest:
+    """Write ``model`` and a manifest derived from ``base_manifest`` (version, bounds)."""
+    model.save(model_dir)
+    manifest = base_manifest.with_updates(
+        backend="fast",
+        version=model.version,
+        training_max_tokens=model.training_max_tokens,
+        extra={**base_manifest.extra, **model.manifest_extra()},
+    )
+    write_manifest(model_dir, manifest)
+    return manifest

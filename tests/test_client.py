@@ -1,0 +1,107 @@
+"""The client library against a real Redis: admission control, de-duplicated streaming,
+cancel, reply expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import redis
+
+from blockq import AsyncClient, Client, Overloaded, SubmitSpec
+from blockq.config import Settings
+from blockq.keys import PAYLOAD_FIELD
+from blockq.protocol import Chunk, FinalRecord, decode_request, encode
+
+
+def write_reply(sync_redis: redis.Redis, stream: str, messages: list) -> None:
+    for message in messages:
+        sync_redis.xadd(stream, {PAYLOAD_FIELD: encode(message)})
+
+
+def final_for(request_id: str, index: int, text: str) -> FinalRecord:
+    return FinalRecord(request_id=request_id, index=index, status="ok", text=text, output_tokens=index,
+                       prompt_tokens=1, instance="i0", finish_reason="stop")
+
+
+def test_submit_writes_a_valid_request(settings: Settings, sync_redis: redis.Redis) -> None:
+    with Client(settings=settings) as client:
+        handle = client.submit("hello", max_tokens=8, priority="batch", tenant="acme")
+    ((_, fields),) = sync_redis.xrange(settings.keys.requests)
+    request = decode_request(fields[PAYLOAD_FIELD.encode()])
+    assert request.id == handle.id
+    assert (request.max_tokens, request.priority, request.tenant) == (8, "batch", "acme")
+    assert request.reply_stream == settings.keys.reply(handle.id)
+
+
+def test_admission_control_refuses_past_backlog_and_loses_nothing(settings: Settings,
+                                                                   sync_redis: redis.Redis) -> None:
+    limited = dataclasses.replace(settings, max_ingress_backlog=50)
+    accepted = []
+    refused = 0
+    with Client(settings=limited) as client:
+        for i in range(80):
+            try:
+                accepted.append(client.submit(f"prompt {i}", max_tokens=4).id)
+            except Overloaded as exc:
+                refused += 1
+                assert exc.limit == 50 and exc.backlog >= 50
+        with pytest.raises(Overloaded):  # all or nothing for a batch past the limit
+            client.submit_many([SubmitSpec(prompt="x")] * 3)
+    assert len(accepted) == 50 and refused == 30
+    stored = [decode_request(f[PAYLOAD_FIELD.encode()]).id for _, f in sync_redis.xrange(settings.keys.requests)]
+    assert stored == accepted
+
+
+def test_stream_yields_each_chunk_once_in_order(settings: Settings, sync_redis: redis.Redis) -> None:
+    with Client(settings=settings) as client:
+        handle = client.submit("hi", max_tokens=3)
+        stream = handle.request.reply_stream
+        rid = handle.id
+        # A worker died after two chunks; its replacement re-sent everything from index 0.
+        write_reply(sync_redis, stream, [Chunk(rid, 0, "a", 1), Chunk(rid, 1, "b", 1), Chunk(rid, 0, "a", 1),
+                                         Chunk(rid, 1, "b", 1), Chunk(rid, 2, "c", 1), final_for(rid, 3, "abc"),
+                                         final_for(rid, 3, "abc")])
+        chunks = list(handle.stream(timeout_s=5))
+        assert [c.index for c in chunks] == [0, 1, 2]
+        assert "".join(c.text for c in chunks) == "abc"
+        assert handle.result(timeout_s=1).text == "abc"
+    ttl = sync_redis.ttl(stream)
+    assert 0 < ttl <= settings.reply_read_ttl_s
+
+
+def test_result_times_out_without_final_record(settings: Settings) -> None:
+    with Client(settings=settings) as client:
+        handle = client.submit("hi", max_tokens=3)
+        with pytest.raises(TimeoutError):
+            handle.result(timeout_s=0.3)
+
+
+def test_cancel_sets_flag_and_notifies(settings: Settings, sync_redis: redis.Redis) -> None:
+    with Client(settings=settings) as client:
+        handle = client.submit("hi", max_tokens=3)
+        handle.cancel()
+    assert sync_redis.exists(settings.keys.cancel_flag(handle.id))
+    ((_, fields),) = sync_redis.xrange(settings.keys.cancellations)
+    assert fields[PAYLOAD_FIELD.encode()].decode() == handle.id
+
+
+async def test_async_client_streams_and_submits_many(settings: Settings, sync_redis: redis.Redis) -> None:
+    async with AsyncClient(settings=settings) as client:
+        handles = await client.submit_many([SubmitSpec(prompt=f"p{i}", max_tokens=2) for i in range(5)])
+        assert len({h.id for h in handles}) == 5
+        target = handles[2]
+
+        async def produce() -> None:
+            await asyncio.sleep(0.05)
+            write_reply(sync_redis, target.request.reply_stream,
+                        [Chunk(target.id, 0, "x", 1), Chunk(target.id, 0, "x", 1), Chunk(target.id, 1, "y", 1),
+                         final_for(target.id, 2, "xy")])
+
+        producer = asyncio.create_task(produce())
+        texts = [chunk.text async for chunk in target.stream(timeout_s=5)]
+        await producer
+        assert texts == ["x", "y"]
+        assert (await target.result(timeout_s=1)).output_tokens == 2
+    assert sync_redis.xlen(settings.keys.requests) == 5

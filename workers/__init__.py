@@ -1,0 +1,1 @@
+"""Per-instance workers: queue consumer, request bundling, engine adapters, heartbeats."""

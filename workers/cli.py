@@ -1,0 +1,69 @@
+"""``python -m workers`` / ``blockq worker``: one process serving one or more instances."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from blockq.service import add_common_arguments, run_service, settings_from_args
+from blockq.streams import connect_async
+from workers.worker import InstanceWorker, WorkerOptions
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument("--instance-id", default="inst", help="instance id (with --instances N: a prefix, ids ID-0..ID-N-1)")
+    parser.add_argument("--instances", type=int, default=None,
+                        help="serve N instances from this process (one asyncio task each), ids ID-i")
+    parser.add_argument("--first-index", type=int, default=0, help="index of the first instance with --instances")
+    parser.add_argument("--engine", choices=["emulated", "vllm"], default="emulated")
+    parser.add_argument("--preset", default="llama2-7b-a30", help="engine preset (emulated engine)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="wall seconds per model second for the emulated engine (2 = half speed)")
+    parser.add_argument("--noise", type=float, default=0.05, help="lognormal sigma of emulated step-time noise")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bundle-size", type=int, default=16, help="max queue entries per read")
+    parser.add_argument("--stream-interval-ms", type=float, default=50.0, help="min ms between output chunks")
+    parser.add_argument("--model", default=None, help="model path for --engine vllm")
+
+
+def instance_ids(args: argparse.Namespace) -> list[str]:
+    if args.instances is None:
+        return [args.instance_id]
+    return [f"{args.instance_id}-{i}" for i in range(args.first_index, args.first_index + args.instances)]
+
+
+def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine protocol
+    if args.engine == "vllm":
+        from workers.engines.vllm import VllmEngine, VllmEngineOptions
+
+        return VllmEngine(VllmEngineOptions(model=args.model))
+    from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
+
+    return EmulatedEngine(EmulatedEngineOptions(preset=args.preset, time_scale=args.time_scale,
+                                                noise_sigma=args.noise, seed=args.seed + index))
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    if args.instances is not None and args.instances < 1:
+        raise SystemExit("--instances: must be >= 1")
+    ids = instance_ids(args)
+
+    async def main(stop: asyncio.Event) -> None:
+        client = connect_async(settings.redis_url, max_connections=64 * len(ids))
+        options = WorkerOptions(bundle_size=args.bundle_size, stream_interval_ms=args.stream_interval_ms)
+        workers = [InstanceWorker(client, settings, instance_id, build_engine(args, i), options)
+                   for i, instance_id in enumerate(ids)]
+        try:
+            await asyncio.gather(*(w.run(stop) for w in workers))
+        finally:
+            await client.aclose()
+
+    return run_service(settings, "worker", main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

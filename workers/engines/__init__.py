@@ -1,0 +1,1 @@
+"""Engine adapters: the emulated engine and vLLM."""

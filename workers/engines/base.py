@@ -1,0 +1,87 @@
+"""What a worker needs from an engine: add and abort requests, step, and report state.
+
+Two engines implement it: the emulated engine (the engine model in real time, on CPU)
+and the vLLM adapter (a real engine on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from blockq.protocol import RequestProgress
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New output of one request in one engine step."""
+
+    request_id: str
+    text: str
+    num_new_tokens: int
+    is_first: bool
+    finished: bool
+    finish_reason: str | None = None      # "stop" | "length" when finished
+
+
+@dataclass(frozen=True)
+class EngineStepOutput:
+    """What one step produced. ``model_time_s`` is the engine clock at the step's end."""
+
+    events: tuple[TokenEvent, ...]
+    preempted_ids: tuple[str, ...]
+    model_time_s: float
+    # (prefill tokens, decode seqs, KV tokens attended, seconds, prefill attention pairs)
+    sample: tuple[int, int, int, float, int] | None = None
+    lag_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineRequestSpec:
+    """A request as handed to an engine."""
+
+    request_id: str
+    prompt: str | tuple[int, ...]
+    prompt_tokens: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    true_output_tokens: int | None = None
+    predicted_output_tokens: int | None = None
+    p90_tokens: int | None = None
+    prefix_block_hashes: tuple[int, ...] = ()
+
+
+class Engine(Protocol):
+    model: str
+    preset: str
+    time_scale: float
+
+    def engine_config(self) -> dict[str, Any]: ...
+
+    def latency_model(self) -> dict[str, Any] | None: ...
+
+    def validate(self, spec: EngineRequestSpec) -> str | None:
+        """Why the engine cannot serve ``spec`` (e.g. prompt past max_model_len), or None."""
+        ...
+
+    def add_request(self, spec: EngineRequestSpec) -> None: ...
+
+    def abort_request(self, request_id: str) -> bool: ...
+
+    def num_admittable(self) -> int:
+        """How many more requests the engine could start soon (free sequence slots and KV)."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    async def step(self) -> EngineStepOutput:
+        """Run one engine iteration (in real time) and return what it produced."""
+        ...
+
+    def progress(self) -> tuple[list[RequestProgress], list[RequestProgress], int]:
+        """(running, waiting, used KV blocks) right now."""
+        ...
+
+    def model_time_s(self) -> float: ...

@@ -1,0 +1,186 @@
+"""The emulated engine: the engine model driven in real wall-clock time.
+
+Each step's duration comes from the preset's step-latency model, times lognormal noise;
+the engine sleeps that long (times ``time_scale``) and then reports the step's tokens.
+Requests end at ``true_output_tokens`` when they carry one (trace replay), else at an
+EOS drawn from a lognormal length distribution, never beyond ``max_tokens`` nor past
+``max_model_len``. All times it reports are model time (wall time / ``time_scale``).
+
+``lag_ms`` per step is how late the event loop woke up against the step's scheduled
+end: an overloaded host shows up there instead of silently stretching the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
+from blockq.protocol import RequestProgress
+from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+
+_WORDS = ("the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "with", "on",
+          "be", "by", "this", "are", "or", "an", "from")
+
+
+def synthetic_token_text(index: int) -> str:
+    """The text of output token ``index`` (deterministic filler)."""
+    return " " + _WORDS[index % len(_WORDS)]
+
+
+@dataclass(frozen=True)
+class EmulatedEngineOptions:
+    preset: str = "llama2-7b-a30"
+    time_scale: float = 1.0           # wall seconds per model second
+    noise_sigma: float = 0.05         # lognormal sigma of step-time noise (0 disables)
+    eos_median_tokens: float = 250.0  # output length when a request carries no true length
+    eos_sigma: float = 1.0
+    seed: int = 0
+    config_overrides: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.time_scale <= 1000:
+            raise ValueError(f"time_scale: must be in (0, 1000] (got {self.time_scale})")
+        if not 0 <= self.noise_sigma <= 1:
+            raise ValueError(f"noise_sigma: must be in [0, 1] (got {self.noise_sigma})")
+
+
+class EmulatedEngine:
+    """Implements :class:`workers.engines.base.Engine` on the pure engine model."""
+
+    model = "emulated"
+
+    def __init__(self, options: EmulatedEngineOptions | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.options = options or EmulatedEngineOptions()
+        preset = get_preset(self.options.preset, **dict(self.options.config_overrides))
+        self.preset = preset.name
+        self.model = f"emulated:{preset.name}"
+        self.time_scale = self.options.time_scale
+        self.config = preset.config
+        self.rng = random.Random(self.options.seed)
+        self.base_latency_model = preset.latency_model
+        self.scheduler = EngineScheduler(preset.config, _NoisyLatency(preset.latency_model, self.rng,
+                                                                      self.options.noise_sigma), now_s=0.0)
+        self.clock = clock
+        self._wall_origin_s = clock()
+        self._specs: dict[str, EngineRequestSpec] = {}
+        self._num_emitted: dict[str, int] = {}
+
+    # --- Engine protocol ----------------------------------------------------------------
+
+    def engine_config(self) -> dict[str, Any]:
+        return self.config.to_dict()
+
+    def latency_model(self) -> dict[str, Any] | None:
+        return self.base_latency_model.to_dict()
+
+    def model_time_s(self) -> float:
+        return (self.clock() - self._wall_origin_s) / self.time_scale
+
+    def validate(self, spec: EngineRequestSpec) -> str | None:
+        if spec.prompt_tokens >= self.config.max_model_len:
+            return (f"prompt: {spec.prompt_tokens} tokens leave no room for output within "
+                    f"max_model_len {self.config.max_model_len}")
+        return None
+
+    def add_request(self, spec: EngineRequestSpec) -> None:
+        output_tokens = spec.true_output_tokens or self._sample_eos()
+        output_tokens = max(1, min(output_tokens, spec.max_tokens,
+                                   self.config.max_model_len - spec.prompt_tokens))
+        if not self.scheduler.has_unfinished_requests:
+            # An idle engine's clock catches up with wall time before new work starts.
+            self.scheduler.now_s = max(self.scheduler.now_s, self.model_time_s())
+        self.scheduler.add_request(EngineRequest(
+            request_id=spec.request_id, prompt_tokens=spec.prompt_tokens,
+            output_target_tokens=output_tokens, arrival_s=self.scheduler.now_s,
+            prefix_block_hashes=spec.prefix_block_hashes))
+        self._specs[spec.request_id] = spec
+        self._num_emitted[spec.request_id] = 0
+
+    def abort_request(self, request_id: str) -> bool:
+        self._specs.pop(request_id, None)
+        self._num_emitted.pop(request_id, None)
+        return self.scheduler.abort_request(request_id)
+
+    def num_admittable(self) -> int:
+        scheduler = self.scheduler
+        free_slots = self.config.max_num_seqs - len(scheduler.running) - len(scheduler.waiting)
+        if free_slots <= 0:
+            return 0
+        return free_slots if scheduler.can_admit(1) else 0
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.has_unfinished_requests)
+
+    async def step(self) -> EngineStepOutput:
+        scheduler = self.scheduler
+        started_model_s = scheduler.now_s
+        result = scheduler.step()
+        if result is None:
+            return EngineStepOutput((), (), scheduler.now_s)
+        end_wall_s = self._wall_origin_s + (started_model_s + result.duration_s) * self.time_scale
+        await asyncio.sleep(max(0.0, end_wall_s - self.clock()))
+        lag_ms = max(0.0, (self.clock() - end_wall_s) * 1000 / self.time_scale)
+        # A late wake-up moves the engine clock on: model time never runs ahead of wall time.
+        scheduler.now_s = max(scheduler.now_s, self.model_time_s())
+        return EngineStepOutput(
+            events=self._events(result), preempted_ids=result.preempted_ids,
+            model_time_s=scheduler.now_s,
+            sample=(result.num_prefill_tokens, result.num_decode_seqs, result.num_kv_tokens_attended,
+                    result.duration_s, result.num_prefill_attention_pairs),
+            lag_ms=lag_ms)
+
+    def progress(self) -> tuple[list[RequestProgress], list[RequestProgress], int]:
+        return ([self._progress(r) for r in self.scheduler.running],
+                [self._progress(r) for r in self.scheduler.waiting],
+                self.scheduler.num_used_blocks)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _events(self, result: Any) -> tuple[TokenEvent, ...]:
+        first = set(result.first_token_ids)
+        finished = {r.request_id: r for r in result.finished}
+        events = []
+        for request_id in result.produced_token_ids:
+            spec = self._specs.get(request_id)
+            if spec is None:
+                continue
+            num_emitted = self._num_emitted[request_id]
+            self._num_emitted[request_id] = num_emitted + 1
+            reason = None
+            if request_id in finished:
+                reason = "length" if num_emitted + 1 >= spec.max_tokens else "stop"
+                del self._specs[request_id], self._num_emitted[request_id]
+            events.append(TokenEvent(request_id, synthetic_token_text(num_emitted), 1,
+                                     request_id in first, reason is not None, reason))
+        return tuple(events)
+
+    def _progress(self, request: EngineRequest) -> RequestProgress:
+        spec = self._specs.get(request.request_id)
+        return RequestProgress(request.request_id, request.prompt_tokens, request.num_computed_tokens,
+                               request.num_generated_tokens,
+                               spec.predicted_output_tokens if spec else None,
+                               spec.p90_tokens if spec else None)
+
+    def _sample_eos(self) -> int:
+        return max(1, int(self.rng.lognormvariate(math.log(self.options.eos_median_tokens),
+                                                  self.options.eos_sigma)))
+
+
+class _NoisyLatency:
+    """The preset's latency model times lognormal noise, drawn once per step."""
+
+    def __init__(self, base: Any, rng: random.Random, sigma: float) -> None:
+        self.base = base
+        self.rng = rng
+        self.sigma = sigma
+
+    def step_seconds(self, *batch: int | None) -> float:
+        seconds = self.base.step_seconds(*batch)
+        return seconds * math.exp(self.rng.gauss(0.0, self.sigma)) if self.sigma else seconds

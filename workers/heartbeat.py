@@ -1,0 +1,50 @@
+"""Builds a worker's heartbeats from its engine's state (bounded in size)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from blockq.protocol import MAX_HEARTBEAT_REQUESTS, Heartbeat
+from workers.engines.base import Engine, EngineStepOutput
+
+MAX_STEP_SAMPLES = 64
+MAX_FINISHED_IDS = 512
+
+
+class HeartbeatBuilder:
+    """Collects step samples and finished ids between beats; ``build`` empties them."""
+
+    def __init__(self, instance_id: str, engine: Engine) -> None:
+        self.instance_id = instance_id
+        self.engine = engine
+        self.seq = 0
+        self._samples: deque[tuple[int, int, int, float, int]] = deque(maxlen=MAX_STEP_SAMPLES)
+        self._finished: deque[str] = deque(maxlen=MAX_FINISHED_IDS)
+
+    def record_step(self, output: EngineStepOutput) -> None:
+        if output.sample is not None:
+            self._samples.append(output.sample)
+
+    def record_finished(self, request_id: str) -> None:
+        self._finished.append(request_id)
+
+    def build(self, state: str, recent_lag_ms: Iterable[float]) -> Heartbeat:
+        running, waiting, num_used_blocks = self.engine.progress()
+        lags = sorted(recent_lag_ms)
+        lag_p99_ms = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0
+        self.seq += 1
+        beat = Heartbeat(
+            instance_id=self.instance_id, state=state, seq=self.seq, sent_at_s=time.time(),
+            engine_time_s=self.engine.model_time_s(), model=self.engine.model, preset=self.engine.preset,
+            engine_config=self.engine.engine_config(), latency_model=self.engine.latency_model(),
+            num_used_blocks=num_used_blocks,
+            running=tuple(running[:MAX_HEARTBEAT_REQUESTS]), waiting=tuple(waiting[:MAX_HEARTBEAT_REQUESTS]),
+            num_running_total=len(running), num_waiting_total=len(waiting),
+            finished_ids=tuple(self._finished), step_samples=tuple(self._samples),
+            lag_p99_ms=lag_p99_ms, time_scale=self.engine.time_scale,
+            truncated=len(running) > MAX_HEARTBEAT_REQUESTS or len(waiting) > MAX_HEARTBEAT_REQUESTS)
+        self._samples.clear()
+        self._finished.clear()
+        return beat
