@@ -260,6 +260,38 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=loadgen_cli.run_bench_command)
 
 
+def _add_bench_engine(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-engine", help="engine model step cost and emulated instances sustained per core")
+    p.add_argument("--instances", default="4,8,12,16", help="instance counts to try (comma-separated)")
+    p.add_argument("--rate", type=float, default=2.7, help="requests/s per instance")
+    p.add_argument("--duration-s", type=float, default=30.0, help="seconds of load per instance count")
+    p.add_argument("--lag-bound-ms", type=float, default=5.0)
+    p.add_argument("--cpu", type=int, default=0, help="core to pin the worker to (-1: no pinning)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_bench_engine)
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from blockq.engine_model.bench import bench_engine_model
+    from workers.bench import SustainOptions, sustained_instances
+
+    model = bench_engine_model()
+    sustain = sustained_instances(SustainOptions(
+        instance_counts=tuple(int(x) for x in args.instances.split(",")), rate_per_instance=args.rate,
+        duration_s=args.duration_s, lag_bound_ms=args.lag_bound_ms, cpu=None if args.cpu < 0 else args.cpu))
+    report = {**model, **sustain}
+    if args.json:
+        _print_json(report)
+        return 0
+    sys.stdout.write(f"engine model: step {model['step_us_p50']:.1f} us p50, {model['step_us_p99']:.1f} us p99 "
+                     f"(48 running + 20 waiting)\n")
+    for run in sustain["runs"]:
+        sys.stdout.write(f"{run['instances']:>4} instances at {args.rate}/s each: lag p99 {run['lag_p99_ms']} ms, "
+                         f"max {run['lag_max_ms']} ms -> {'ok' if run['sustained'] else 'behind'}\n")
+    sys.stdout.write(f"instances sustained on one core: {sustain['instances_sustained']}\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockq", description="predictive dispatcher for LLM engine fleets")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -269,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_services(sub)
     _add_bench(sub)
+    _add_bench_engine(sub)
     return parser
 
 

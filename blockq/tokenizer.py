@@ -82,6 +82,9 @@ class HuggingFaceTokenCounter:
 
         self.name = name
         self._tokenizer = Tokenizer.from_file(os.fspath(tokenizer_json_path))
+        # A tokenizer.json may carry a model's padding/truncation; counts need neither.
+        self._tokenizer.no_padding()
+        self._tokenizer.no_truncation()
 
     def count(self, texts: Sequence[str]) -> list[int]:
         """Return the token count of each text, without special tokens."""
@@ -101,7 +104,10 @@ _ESTIMATE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("punctuation", re.compile(r"[^\w\s]")),
     ("newlines", re.compile(r"\n")),
     ("cjk", re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")),
-    ("other_non_ascii", re.compile(r"[^\x00-\x7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")),
+    (
+        "other_non_ascii",
+        re.compile(r"[^\x00-\x7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]"),
+    ),
     ("space_runs", re.compile(r" {2,}")),
 )
 _ESTIMATE_COEFFICIENTS: dict[str, float] = {

@@ -34,6 +34,7 @@ class InstanceView:
     num_assigned_total: int = 0
     replica: InstanceReplica | None = None
     replica_synced_seq: int = -1     # seq of the beat the replica was last rebuilt from
+    replica_synced_at_s: float = float("-inf")
 
     @property
     def config(self) -> EngineConfig:
@@ -60,20 +61,28 @@ class InstanceView:
 class ClusterView:
     """Instances by id, updated by :meth:`apply_heartbeat` and :meth:`refresh_health`."""
 
-    def __init__(self, health_policy: HealthPolicy | None = None, *, use_true_lengths: bool = False) -> None:
+    def __init__(self, health_policy: HealthPolicy | None = None, *, use_true_lengths: bool = False,
+                 resync_interval_s: float = 0.3) -> None:
         self.health_policy = health_policy or HealthPolicy()
         self.instances: dict[str, InstanceView] = {}
         self.use_true_lengths = use_true_lengths
+        self.resync_interval_s = resync_interval_s
 
     def replica(self, view: InstanceView, now_wall_s: float) -> InstanceReplica:
-        """``view``'s scheduler replica, rebuilt from its latest beat if one arrived since,
-        else advanced to ``now_wall_s`` along its own trajectory."""
+        """``view``'s scheduler replica at ``now_wall_s``.
+
+        It is rebuilt from the latest beat when that beat is newer than the last rebuild
+        and at least ``resync_interval_s`` has passed since (a rebuild invalidates every
+        cached forecast of the instance, so rebuilding on each 100 ms beat would cost more
+        than it corrects); otherwise it advances along its own trajectory, which already
+        includes every assignment made since its last rebuild."""
         beat = view.heartbeat
         if view.replica is None:
             view.replica = InstanceReplica(view.config, _latency_model(beat), use_truth=self.use_true_lengths)
-        if view.replica_synced_seq != beat.seq:
+        if view.replica_synced_seq != beat.seq and now_wall_s - view.replica_synced_at_s >= self.resync_interval_s:
             view.replica.sync(beat, view.assigned_not_seen.values(), now_wall_s)
             view.replica_synced_seq = beat.seq
+            view.replica_synced_at_s = now_wall_s
         else:
             view.replica.advance(now_wall_s)
         return view.replica
@@ -119,10 +128,9 @@ class ClusterView:
         view.num_assigned_total += 1
         if view.replica is None:
             return
-        if view.replica_synced_seq == view.heartbeat.seq:
-            view.replica.add_assignment(request)
-        else:
-            view.replica.remember(request)  # the rebuild from the new beat adds it
+        # The replica always holds what was assigned since its rebuild (the next rebuild
+        # re-adds whatever its beat does not show yet).
+        view.replica.add_assignment(request)
 
     def live_instances(self) -> list[InstanceView]:
         """Instances that may receive new requests, in a stable (id) order."""

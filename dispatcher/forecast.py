@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockq.engine_model import EngineRequest
+from blockq.engine_model import EngineRequest, EngineScheduler
 from dispatcher.replica import InstanceReplica
 
 OBJECTIVES = ("e2e", "ttft", "max_latency")
@@ -31,29 +31,45 @@ class Forecast:
         return self.max_latency_s
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """One replica's future without the new request: the snapshot where a request
+    appended now would first be looked at (:meth:`EngineScheduler.queue_drain_snapshot`;
+    every what-if run is identical to the baseline up to there), and the finish time of
+    every request still unfinished at that point."""
+
+    snapshot: EngineScheduler
+    finish_s: dict[str, float]
+
+
 class BaselineCache:
-    """Finish times of the requests already on a replica, simulated once per replica
-    version (a replica advancing along its own trajectory keeps its version)."""
+    """Baselines, simulated once per replica version (a replica advancing along its own
+    deterministic trajectory keeps its version, and its future)."""
 
     def __init__(self) -> None:
-        self._by_replica: dict[int, tuple[int, dict[str, float]]] = {}
+        self._by_replica: dict[int, tuple[int, Baseline]] = {}
 
-    def finish_times(self, replica: InstanceReplica) -> dict[str, float]:
+    def baseline(self, replica: InstanceReplica) -> Baseline:
         cached = self._by_replica.get(id(replica))
         if cached is not None and cached[0] == replica.version:
             return cached[1]
-        simulation = replica.scheduler.clone().simulate()
-        self._by_replica[id(replica)] = (replica.version, simulation.finished_at_s)
-        return simulation.finished_at_s
+        snapshot = replica.scheduler.queue_drain_snapshot()
+        baseline = Baseline(snapshot, snapshot.clone().simulate().finished_at_s)
+        self._by_replica[id(replica)] = (replica.version, baseline)
+        return baseline
 
 
-def forecast(replica: InstanceReplica, request: EngineRequest, baseline_finish_s: dict[str, float]) -> Forecast:
-    """Simulate ``request`` added to ``replica`` now, until every request finishes."""
-    scheduler = replica.scheduler.clone()
-    now_s = scheduler.now_s
+def forecast(replica: InstanceReplica, request: EngineRequest, baseline: Baseline) -> Forecast:
+    """Simulate ``request`` added to ``replica`` now, until every request finishes.
+
+    The run starts from the baseline's snapshot (exactly where it would diverge), with
+    the request's arrival at the replica's present."""
+    now_s = replica.scheduler.now_s
+    scheduler = baseline.snapshot.clone()
     request.arrival_s = now_s
     scheduler.add_request(request)
     simulation = scheduler.simulate()
+    baseline_finish_s = baseline.finish_s
     finished = simulation.finished_at_s
     new_finish_s = finished[request.request_id]
     added_delay_s = 0.0

@@ -78,7 +78,7 @@ class InstanceReplica:
         self._beat = beat
         scheduler = EngineScheduler(self.config, self.latency_model, now_s=beat.engine_time_s)
         scheduler.restore(self._engine_requests(beat.running), self._engine_requests(beat.waiting))
-        scheduler.run_until(self.model_time_s(now_wall_s))
+        scheduler.simulate(until_s=self.model_time_s(now_wall_s))
         for request in assigned_not_seen:
             scheduler.add_request(self.engine_request(request, arrival_s=scheduler.now_s))
         self.scheduler = scheduler
@@ -87,7 +87,7 @@ class InstanceReplica:
 
     def advance(self, now_wall_s: float) -> None:
         """Advance along the replica's own trajectory to ``now_wall_s`` (no forecast changes)."""
-        self.scheduler.run_until(self.model_time_s(now_wall_s))
+        self.scheduler.simulate(until_s=self.model_time_s(now_wall_s))
 
     def remember(self, request: Request) -> None:
         """Keep the length belief of a request placed here (beats carry less than requests)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -71,6 +72,8 @@ def _progress_printer() -> Any:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    # SIGTERM unwinds like Ctrl-C, so each run's `finally` tears its cluster down.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     config = config_from_args(args)
     results, per_request, kv_samples = run_bench(config, on_progress=_progress_printer())
     files = write_report(config.out_dir, results, per_request=per_request, kv_samples=kv_samples)

@@ -36,9 +36,7 @@ _NUMBER_WORDS = {
     "few": 3, "couple": 2, "several": 4,
 }  # fmt: skip
 _VAGUE_NUMBER_WORDS = frozenset({"a", "an", "single", "few", "couple", "several"})
-_NUMBER = (
-    r"\b(\d{1,5}(?:,\d{3})?|" + "|".join(sorted(_NUMBER_WORDS, key=len, reverse=True)) + r")"
-)
+_NUMBER = r"\b(\d{1,5}(?:,\d{3})?|" + "|".join(sorted(_NUMBER_WORDS, key=len, reverse=True)) + r")"
 # Counted things ("a list of items") need a definite number, not "a" or "few".
 _DEFINITE_NUMBER = (
     r"\b(\d{1,5}|"
@@ -56,23 +54,29 @@ _ITEMS_RE = re.compile(
     r"facts|strategies|topics|suggestions|keywords|quotes|jokes|sections|chapters|days|"
     r"variations|versions|alternatives|prompts|tasks|rules|benefits|features)\b"
 )
-_TOP_RE = re.compile(r"\b(?:top|list(?: of)?|give me|generate|provide|suggest|name)\s+" + _DEFINITE_NUMBER + r"\b")
+_TOP_WORDS = ("top", "list", "give me", "generate", "provide", "suggest", "name")
+_TOP_RE = re.compile(
+    r"\b(?:top|list(?: of)?|give me|generate|provide|suggest|name)\s+" + _DEFINITE_NUMBER + r"\b"
+)
 _CHARACTERS_RE = re.compile(r"(\d{1,5})[\s-]*(?:characters?|chars?)\b")
 _PAGES_RE = re.compile(_NUMBER + r"[\s-]*pages?\b")
 _MINUTES_RE = re.compile(_NUMBER + r"[\s-]*minutes?\b")
 
 _FLAG_PATTERNS: tuple[tuple[str, str], ...] = (
-    ("very_short_request", r"\b(?:one|a single|1)[\s-](?:word|sentence|line)\b|\byes or no\b|"
+    ("very_short_request", r"\bone[\s-](?:word|sentence|line)\b|\ba single[\s-](?:word|sentence|line)\b|"
+     r"\b1[\s-](?:word|sentence|line)\b|\byes or no\b|"
      r"\bjust (?:say|answer|reply)\b|\bonly (?:answer|reply|respond)|\breply (?:with|only)\b|"
-     r"\backnowledge\b|\bunderstood\b|\bwait for\b|\bdon'?t (?:reply|respond|answer)\b"),
-    ("brief_request", r"\bbrief(?:ly)?\b|\bshort(?:ly|er)?\b|\bconcise(?:ly)?\b|\btl;?dr\b|"
+     r"\backnowledge\b|\bunderstood\b|\bwait for\b|\bdont (?:reply|respond|answer)\b|"
+     r"\bdon't (?:reply|respond|answer)\b"),
+    ("brief_request", r"\bbrief(?:ly)?\b|\bshort(?:ly|er)?\b|\bconcise(?:ly)?\b|\btl;dr\b|\btldr\b|"
      r"\bin a nutshell\b|\bsuccinct\b|\bquick(?:ly)?\b|\bsimple terms\b"),
-    ("detailed_request", r"\bdetail(?:ed|s)?\b|\bcomprehensive\b|\bin[\s-]depth\b|\belaborat"
+    ("detailed_request", r"\bdetail(?:ed|s)?\b|\bcomprehensive\b|\bin-depth\b|\bin depth\b|\belaborat"
      r"|\bthorough|\bextensive|\bstep[\s-]by[\s-]step\b|\blong(?:er)?\b|\bfull\b|\bcomplete\b"),
     ("verb_write", r"\bwrite\b|\bwriting\b|\bdraft\b|\bcompose\b"),
     ("verb_explain", r"\bexplain|\bwhy\b|\bhow does\b|\bwhat is\b|\bwhat are\b|\bdefine\b"),
     ("verb_list", r"\blist\b|\benumerate\b|\bbullet"),
-    ("verb_translate", r"\btranslat|\bin (?:english|chinese|spanish|french|german|japanese|korean)\b"),
+    ("verb_translate", r"\btranslat|\bin english\b|\bin chinese\b|\bin spanish\b|\bin french\b|"
+     r"\bin german\b|\bin japanese\b|\bin korean\b"),
     ("verb_summarize", r"\bsummar|\bsum up\b|\bkey points\b|\bmain points\b|\babstract\b"),
     ("verb_code", r"\bcode\b|\bscript\b|\bfunction\b|\bprogram\b|\bimplement|\bpython\b|"
      r"\bjavascript\b|\btypescript\b|\bjava\b|\bsql\b|\bregex\b|\bapi\b|\bhtml\b|\bcss\b|"
@@ -84,7 +88,7 @@ _FLAG_PATTERNS: tuple[tuple[str, str], ...] = (
     ("verb_compare", r"\bcompare\b|\bcomparison\b|\bdifference|\bversus\b|\bvs\.?\b|\bpros and cons\b"),
     ("verb_suggest", r"\bsuggest|\brecommend|\bideas?\b|\badvice\b|\btips?\b|\bbrainstorm"),
     ("verb_fix", r"\bfix\b|\bdebug|\berror\b|\bbug\b|\bexception\b|\btraceback\b|\bnot working\b"),
-    ("verb_continue", r"^\s*(?:continue|go on|keep going|more|next)\b"),
+    ("verb_continue", r"^\s*continue\b|^\s*go on\b|^\s*keep going\b|^\s*more\b|^\s*next\b"),
     ("genre_long_form", r"\bessay\b|\barticle\b|\bblog\b|\bstory\b|\breport\b|\bchapter\b|"
      r"\bproposal\b|\bcurriculum\b|\bsyllabus\b|\bbusiness plan\b|\bguide\b|\btutorial\b"),
     ("genre_short_form", r"\bpoem\b|\bemail\b|\bletter\b|\btweet\b|\bcaption\b|\btitle\b|"
@@ -94,13 +98,86 @@ _FLAG_PATTERNS: tuple[tuple[str, str], ...] = (
     ("math", r"\bcalculate\b|\bsolve\b|\bequation\b|\bprobability\b|\bderivative\b|\bintegral\b|"
      r"\bmath"),
 )  # fmt: skip
-_FLAG_RES = tuple((name, re.compile(pattern)) for name, pattern in _FLAG_PATTERNS)
+_REGEX_META = frozenset("\\[](){}.*+?|^$")
+_LEADING_ANCHORS = ("\\b", "^\\s*", "^")
+
+
+def _split_top_level(pattern: str) -> list[str]:
+    """Split a regex on the ``|`` that are outside any group or class."""
+    parts, depth, start, index = [], 0, 0, 0
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            index += 2
+            continue
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char == "|" and depth == 0:
+            parts.append(pattern[start:index])
+            start = index + 1
+        index += 1
+    parts.append(pattern[start:])
+    return parts
+
+
+def _required_literals(pattern: str) -> tuple[str, ...] | None:
+    """Substrings one of which every match of ``pattern`` contains, or None if unknown.
+
+    Each top-level alternative contributes its leading literal text (after ``\\b`` /
+    ``^`` anchors, minus a last character made optional by ``?``/``*``/``{``); an
+    alternative that starts with a group or class makes the answer None. Used as a
+    cheap ``in`` prefilter: most prompts contain none of a flag's words, and a
+    substring test is far cheaper than a regex search.
+    """
+    literals = []
+    for alternative in _split_top_level(pattern):
+        for anchor in _LEADING_ANCHORS:
+            if alternative.startswith(anchor):
+                alternative = alternative[len(anchor) :]
+                break
+        literal: list[str] = []
+        index = 0
+        while index < len(alternative):
+            char = alternative[index]
+            if char == "\\" and index + 1 < len(alternative):
+                escaped = alternative[index + 1]
+                if escaped.isalnum():  # \b, \s, \d, ...: not a literal character
+                    break
+                char, index = escaped, index + 1
+            elif char in _REGEX_META:
+                if char in "?*{" and literal:
+                    literal.pop()
+                break
+            if index + 1 < len(alternative) and alternative[index + 1] in "?*{":
+                break  # this character is optional
+            literal.append(char)
+            index += 1
+        if not literal:
+            return None
+        literals.append("".join(literal))
+    return tuple(literals)
+
+
+_FLAG_RES = tuple(
+    (name, re.compile(pattern), _required_literals(pattern)) for name, pattern in _FLAG_PATTERNS
+)
+
+
+def _flag_present(pattern: re.Pattern[str], literals: tuple[str, ...] | None, text: str) -> bool:
+    if literals is not None and not any(literal in text for literal in literals):
+        return False
+    return pattern.search(text) is not None
+
 
 _WH_START_RE = re.compile(r"^\s*(?:what|why|how|when|where|who|whom|whose|which)\b")
 _AUX_START_RE = re.compile(
     r"^\s*(?:is|are|was|were|can|could|do|does|did|will|would|should|shall|may|might|has|have)\b"
 )
-_GREETING_RE = re.compile(r"^\s*(?:hi|hello|hey|good (?:morning|evening|afternoon)|thanks|thank you)\b")
+_GREETING_RE = re.compile(
+    r"^\s*(?:hi|hello|hey|good (?:morning|evening|afternoon)|thanks|thank you)\b"
+)
 _IMPERATIVE_START_RE = re.compile(
     r"^\s*(?:please\s+)?(?:write|explain|list|translate|summari[sz]e|create|generate|make|give|"
     r"tell|describe|provide|help|rewrite|suggest|design|compare|show|find|act|imagine|build)\b"
@@ -164,10 +241,19 @@ def _largest_request_if(keyword: str, pattern: re.Pattern[str], text: str, cap: 
     return _largest_request(pattern, text, cap) if keyword in text else 0.0
 
 
+def _largest_request_if_any(
+    keywords: tuple[str, ...], pattern: re.Pattern[str], text: str, cap: float
+) -> float:
+    """:func:`_largest_request`, skipped (0) when none of ``keywords`` occurs."""
+    if not any(keyword in text for keyword in keywords):
+        return 0.0
+    return _largest_request(pattern, text, cap)
+
+
 def _length_requests(edge_lower: str) -> list[float]:
     items = max(
         _largest_request(_ITEMS_RE, edge_lower, 1000.0),
-        _largest_request(_TOP_RE, edge_lower, 1000.0),
+        _largest_request_if_any(_TOP_WORDS, _TOP_RE, edge_lower, 1000.0),
     )
     return [
         _largest_request_if("word", _WORDS_RE, edge_lower, 20000.0),
@@ -187,6 +273,23 @@ def _in_ranges(code_points: npt.NDArray[np.uint32], ranges: tuple[tuple[int, int
     return int(mask.sum())
 
 
+_DIGIT_BYTES = b"0123456789"
+_UPPER_BYTES = bytes(range(65, 91))
+_LETTER_BYTES = bytes(range(65, 91)) + bytes(range(97, 123))
+
+
+def _ascii_character_shares(edge: str) -> list[float]:
+    """:func:`_character_shares` for pure-ASCII text: counts by ``bytes.translate``."""
+    data = edge.encode("ascii")
+    num_chars = max(len(data), 1)
+    num_digits = len(data) - len(data.translate(None, _DIGIT_BYTES))
+    num_upper = len(data) - len(data.translate(None, _UPPER_BYTES))
+    num_letters = len(data) - len(data.translate(None, _LETTER_BYTES))
+    latin_share = 1.0 if num_letters else 0.0
+    num_other_scripts = len(_SCRIPT_RANGES)  # latin, then the others, then "other"
+    return [num_digits / num_chars, num_upper / num_chars, latin_share] + [0.0] * num_other_scripts
+
+
 def _character_shares(edge: str) -> list[float]:
     """Digit and upper-case shares of ``edge`` and the script shares of its letters.
 
@@ -195,6 +298,8 @@ def _character_shares(edge: str) -> list[float]:
     other scripts' ranges; ``script_other`` counts code points >= U+0370 outside all
     named ranges and outside punctuation/symbol blocks (U+2000-U+2BFF, emoji).
     """
+    if edge.isascii():
+        return _ascii_character_shares(edge)
     code_points = np.frombuffer(edge.encode("utf-32-le"), dtype=np.uint32)
     num_chars = max(len(code_points), 1)
     num_digits = int(((code_points >= 48) & (code_points <= 57)).sum())
@@ -237,7 +342,9 @@ def _prompt_features(prompt: str, prompt_tokens: int, num_turns: int) -> list[fl
         float(_IMPERATIVE_START_RE.match(first_line_lower) is not None),
     ]
     features.extend(_length_requests(edge_lower))
-    features.extend(float(pattern.search(edge_lower) is not None) for _, pattern in _FLAG_RES)
+    features.extend(
+        float(_flag_present(pattern, literals, edge_lower)) for _, pattern, literals in _FLAG_RES
+    )
     features.extend(
         [
             float(min(prompt.count("```"), 50)),

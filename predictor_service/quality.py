@@ -97,9 +97,10 @@ class QualityMonitor:
     ) -> None:
         if window_size < 1 or min_samples < 1:
             raise ValueError("window_size and min_samples: must be >= 1")
-        if prompt_token_bin_fractions and len(prompt_token_bin_fractions) != len(
-            prompt_token_bin_edges
-        ) + 1:
+        if (
+            prompt_token_bin_fractions
+            and len(prompt_token_bin_fractions) != len(prompt_token_bin_edges) + 1
+        ):
             raise ValueError("prompt_token_bin_fractions: need one more entry than the edges")
         self.validation_acc50 = float(validation_acc50)
         self.bin_edges = tuple(float(edge) for edge in prompt_token_bin_edges)

@@ -25,7 +25,7 @@ from sklearn.model_selection import KFold
 
 TEXT_SCORE_JSON = "text_score.json"
 TEXT_SCORE_NPZ = "text_score.npz"
-_EDGE_CHARS = 1000
+_EDGE_CHARS = 500
 _TOKEN_PATTERN = r"(?u)\b\w\w+\b|[?!#`*|]"
 
 

@@ -116,7 +116,8 @@ def _fit_backend(
     prompts = [example.prompt for example in train_examples]
     outputs = [example.output_tokens for example in train_examples]
     if backend == "fast":
-        from predictor_service.models.fast import FastConfig, train_fast
+        from predictor_service.models.fast import FastConfig
+        from predictor_service.models.fast_fit import train_fast
 
         config = backend_options.get("fast_config") or FastConfig()
         fast_model = train_fast(

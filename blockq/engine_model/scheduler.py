@@ -5,7 +5,8 @@ decodes first, then running (chunked) prefills, then new prefills admitted from 
 waiting queue; the batch runs; requests that computed all their known tokens sample one
 (the phases are in :mod:`blockq.engine_model.step_builder`). KV blocks are allocated as
 tokens are scheduled; a running request short of a block preempts by recompute the most
-recently started running request (itself if last).
+recently started running request (itself if last). :meth:`EngineScheduler.simulate` runs
+many steps at once, collapsing the decode-only ones (:mod:`blockq.engine_model.simulation`).
 
 Time is passed in; nothing here reads a clock, draws random numbers or does I/O, so a
 run is a pure function of its inputs.
@@ -20,9 +21,11 @@ from collections.abc import Iterable
 
 from blockq.engine_model.block_pool import BlockPool
 from blockq.engine_model.config import EngineConfig
+from blockq.engine_model.decode_drain import DecodeDrain
+from blockq.engine_model.decode_span import DecodeSpan
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.request import EngineRequest, StepResult
-from blockq.engine_model.simulation import DecodeSpan, SimulationRecord, SimulationResult, can_jump
+from blockq.engine_model.simulation import SimulationRecord, SimulationResult, can_jump
 from blockq.engine_model.step_builder import StepBuilder
 
 
@@ -262,6 +265,28 @@ class EngineScheduler:
                 raise ValueError(f"stop_when_finished: {stop_when_finished!r} is not in this engine")
         return self._simulate(until_s, stop_request, max_steps, None)
 
+    def queue_drain_snapshot(self) -> EngineScheduler:
+        """A copy of this scheduler advanced to the last step boundary at which a request
+        appended now to the waiting queue has not yet been looked at.
+
+        The scheduler admits FCFS without skipping, so a request appended at the tail is
+        first considered in the step that admits the last request ahead of it. Until that
+        step, a run with the extra request is identical to a run without it; a what-if
+        simulation can start from this snapshot instead of from now. When nothing is
+        waiting, the snapshot is a plain copy. ``self`` is not changed.
+        """
+        current = self.clone()
+        record = SimulationRecord()
+        jumps_allowed = can_jump(self._config, self.latency_model)
+        while current.waiting:
+            # A jump never admits anyone (a decode span needs a blocked queue head).
+            if jumps_allowed and current._try_jump(record, math.inf, None, 1_000_000, None):
+                continue
+            before = current.clone()
+            if current.step() is None or not current.waiting:
+                return before
+        return current
+
     def _simulate(self, until_s: float | None, stop_request: EngineRequest | None,
                   max_steps: int, step_results: list[StepResult] | None) -> SimulationResult:
         """The loop behind :meth:`simulate`; appends every step's result to ``step_results``
@@ -274,22 +299,38 @@ class EngineScheduler:
                 return record.to_result(self.now_s)
             if self.now_s >= time_limit_s or record.num_steps >= max_steps:
                 return record.to_result(self.now_s)
-            span = DecodeSpan.try_plan(
-                self._config, self.running, self.waiting, self._pool, self.latency_model,
-                self.now_s, max_steps - record.num_steps, time_limit_s) if jumps_allowed else None
-            if span is None:
+            if not jumps_allowed or not self._try_jump(
+                    record, time_limit_s, stop_request, max_steps - record.num_steps, step_results):
                 result = self.step()
                 if result is None:  # unreachable: there is work, so a step runs
                     break
                 record.add_step(result)
                 if step_results is not None:
                     step_results.append(result)
-                continue
-            finished = span.apply(self.running, self.waiting, self._pool, step_results)
-            self.now_s = span.started_at_s + span.seconds(span.num_steps)
-            record.add_jump(span.num_steps, finished, self.now_s)
         # Idle before until_s: time moves on, unless the call ended on its stop request.
         stopped_on_request = stop_request is not None and stop_request.finished_at_s is not None
         if until_s is not None and self.now_s < until_s and not stopped_on_request:
             self.now_s = until_s
         return record.to_result(self.now_s)
+
+    def _try_jump(self, record: SimulationRecord, until_s: float, stop_request: EngineRequest | None,
+                  max_num_steps: int, step_results: list[StepResult] | None) -> bool:
+        """Jump over the decode-only steps ahead, if any: a drain when it applies (it
+        reports no per-step results), else a decode span. False if the next step must run."""
+        if step_results is None:
+            drain = DecodeDrain.try_plan(
+                self.running, self.waiting, self._pool, self._block_size, self.latency_model,
+                self.now_s, max_num_steps, until_s, stop_request)
+            if drain is not None:
+                finished = drain.apply(self.running, self._pool)
+                self.now_s = drain.ended_at_s
+                record.add_jump(drain.num_steps, drain.num_segments, finished)
+                return True
+        span = DecodeSpan.try_plan(self._config, self.running, self.waiting, self._pool,
+                                   self.latency_model, self.now_s, max_num_steps, until_s)
+        if span is None:
+            return False
+        finished = span.apply(self.running, self.waiting, self._pool, step_results)
+        self.now_s = span.started_at_s + span.seconds(span.num_steps)
+        record.add_jump(span.num_steps, 1, finished)
+        return True

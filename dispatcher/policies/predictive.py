@@ -31,7 +31,7 @@ class Block:
 
     def forecast(self, request: Request, candidate: InstanceView, now_s: float) -> Forecast:
         replica = self.view.replica(candidate, now_s)
-        baseline = self.baselines.finish_times(replica)
+        baseline = self.baselines.baseline(replica)
         engine_request = replica.engine_request(request, arrival_s=replica.scheduler.now_s, use_truth=self.use_truth)
         return forecast(replica, engine_request, baseline)
 

@@ -98,7 +98,9 @@ def load_predictor(backend: str, model_dir: str | None = None) -> LengthPredicto
     """
     loader = BACKENDS.get(backend)
     if loader is None:
-        raise ValueError(f"unknown predictor backend {backend!r}: expected one of {sorted(BACKENDS)}")
+        raise ValueError(
+            f"unknown predictor backend {backend!r}: expected one of {sorted(BACKENDS)}"
+        )
     path: Path | None = None
     if backend in MODEL_BACKENDS:
         if not model_dir:

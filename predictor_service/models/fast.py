@@ -1,22 +1,27 @@
 """The ``fast`` backend: prompt features + gradient-boosted quantile trees (LightGBM).
 
-Inputs per request (:meth:`FastLengthModel.featurize`):
-  the hand-made features of :mod:`predictor_service.features`, the bag-of-words score of
-  :mod:`predictor_service.text_score` (stacked: out-of-fold on training rows) and,
-  optionally, 384 frozen MiniLM-L6 embedding dimensions (:mod:`..embeddings`).
+Inputs per request (:class:`FastFeaturizer`): the hand-made features of
+:mod:`predictor_service.features`, the bag-of-words score of
+:mod:`predictor_service.text_score` (stacked: out-of-fold on training rows) and,
+optionally, 384 frozen MiniLM-L6 embedding dimensions (:mod:`..embeddings`).
+
 Target: ln(output tokens). Three LightGBM models with the quantile (pinball) objective
 at alpha 0.1, 0.5 and 0.9 give p10, p50 and p90 in log space; since quantiles commute
 with the monotone ln, exp() of them are the quantiles in tokens, and the p50 is the
-estimate that minimises the absolute error in tokens.
+estimate that minimises the absolute error in tokens. p10/p90 are then shifted by
+conformal offsets (see :mod:`predictor_service.models.fast_fit`).
 
 Model directory: ``manifest.json``, ``booster_p10.txt``/``booster_p50.txt``/
-``booster_p90.txt`` (LightGBM text format) and the text score files. The version is
-``"fast-"`` + the first 8 hex digits of the sha256 of those model files' contents.
+``booster_p90.txt`` (LightGBM text format), ``spread_offsets.json`` and the text score
+files. The version is ``"fast-"`` + the first 8 hex digits of a sha256 over the
+boosters, the text score weights and the offsets. Training and online refit live in
+:mod:`predictor_service.models.fast_fit`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,24 +34,28 @@ import numpy.typing as npt
 import structlog
 
 from predictor_service.features import FEATURE_NAMES, extract_features
-from predictor_service.manifest import Manifest, read_manifest, write_manifest
+from predictor_service.manifest import read_manifest
 from predictor_service.models.base import (
-    FeedbackSample,
     LengthPrediction,
     PredictionInput,
     clip_predictions,
 )
-from predictor_service.text_score import TextScoreConfig, TextScoreModel, fit_text_score
+from predictor_service.text_score import TextScoreConfig, TextScoreModel
 
 logger = structlog.get_logger(__name__)
 
 QUANTILES: tuple[float, float, float] = (0.1, 0.5, 0.9)
 _BOOSTER_FILE_NAMES = {0.1: "booster_p10.txt", 0.5: "booster_p50.txt", 0.9: "booster_p90.txt"}
+SPREAD_OFFSETS_FILE = "spread_offsets.json"
 
 
 @dataclass(frozen=True)
 class FastConfig:
     """Training settings of the ``fast`` model.
+
+    The p50 model gets ``num_rounds`` rounds; the p10/p90 (spread) models are smaller
+    (``spread_*``) and then shifted in log space by conformal offsets measured with
+    ``num_calibration_folds``-fold cross-validation (0 or 1 disables the calibration).
 
     ``num_threads`` 0 lets LightGBM use every core (training and prediction);
     ``use_embeddings`` adds MiniLM embeddings (about 40-100 prompts/s per core instead of
@@ -57,6 +66,10 @@ class FastConfig:
     learning_rate: float = 0.03
     num_leaves: int = 31
     min_data_in_leaf: int = 20
+    spread_num_rounds: int = 150
+    spread_learning_rate: float = 0.08
+    spread_min_data_in_leaf: int = 40
+    num_calibration_folds: int = 5
     feature_fraction: float = 0.8
     bagging_fraction: float = 0.8
     num_threads: int = 0
@@ -65,8 +78,8 @@ class FastConfig:
     text_score: TextScoreConfig | None = field(default_factory=TextScoreConfig)
 
     def __post_init__(self) -> None:
-        if self.num_rounds < 1:
-            raise ValueError(f"num_rounds: must be >= 1 (got {self.num_rounds})")
+        if self.num_rounds < 1 or self.spread_num_rounds < 1:
+            raise ValueError("num_rounds and spread_num_rounds: must be >= 1")
         if self.num_leaves < 2:
             raise ValueError(f"num_leaves: must be >= 2 (got {self.num_leaves})")
 
@@ -79,14 +92,21 @@ class FastConfig:
             **values, text_score=TextScoreConfig(**text_score) if text_score is not None else None
         )
 
+    def num_rounds_for(self, quantile: float) -> int:
+        """Boosting rounds of the model of one ``quantile`` (spread models are smaller)."""
+        return self.num_rounds if quantile == 0.5 else self.spread_num_rounds
+
     def lightgbm_params(self, quantile: float, seed: int) -> dict[str, Any]:
         """LightGBM parameters for the model of one ``quantile``."""
+        is_median = quantile == 0.5
         return {
             "objective": "quantile",
             "alpha": quantile,
-            "learning_rate": self.learning_rate,
+            "learning_rate": self.learning_rate if is_median else self.spread_learning_rate,
             "num_leaves": self.num_leaves,
-            "min_data_in_leaf": self.min_data_in_leaf,
+            "min_data_in_leaf": self.min_data_in_leaf
+            if is_median
+            else self.spread_min_data_in_leaf,
             "feature_fraction": self.feature_fraction,
             "bagging_fraction": self.bagging_fraction,
             "bagging_freq": 1 if self.bagging_fraction < 1.0 else 0,
@@ -97,8 +117,12 @@ class FastConfig:
         }
 
 
-def _version_of(boosters: dict[float, lightgbm.Booster], text_model: TextScoreModel | None) -> str:
-    digest = hashlib.sha256()
+def _version_of(
+    boosters: dict[float, lightgbm.Booster],
+    text_model: TextScoreModel | None,
+    spread_log_offsets: tuple[float, float],
+) -> str:
+    digest = hashlib.sha256(json.dumps(spread_log_offsets).encode("utf-8"))
     for quantile in QUANTILES:
         digest.update(boosters[quantile].model_to_string().encode("utf-8"))
     if text_model is not None:
@@ -153,6 +177,7 @@ class FastLengthModel:
         featurizer: FastFeaturizer,
         training_max_tokens: int,
         *,
+        spread_log_offsets: tuple[float, float] = (0.0, 0.0),
         parent_version: str | None = None,
     ) -> None:
         missing = [q for q in QUANTILES if q not in boosters]
@@ -162,17 +187,21 @@ class FastLengthModel:
         self.featurizer = featurizer
         self.config = featurizer.config
         self.training_max_tokens = int(training_max_tokens)
+        self.spread_log_offsets = (float(spread_log_offsets[0]), float(spread_log_offsets[1]))
         self.parent_version = parent_version
-        self.version = _version_of(self.boosters, featurizer.text_model)
+        self.version = _version_of(self.boosters, featurizer.text_model, self.spread_log_offsets)
 
     def predict_log_quantiles(self, matrix: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
-        """Raw ln-token quantiles, shape ``(3, rows)`` in :data:`QUANTILES` order."""
-        return np.vstack(
+        """ln-token quantiles (spread offsets applied), shape ``(3, rows)``, p10/p50/p90."""
+        log_quantiles = np.vstack(
             [
                 self.boosters[quantile].predict(matrix, num_threads=self.config.num_threads)
                 for quantile in QUANTILES
             ]
         )
+        log_quantiles[0] += self.spread_log_offsets[0]
+        log_quantiles[2] += self.spread_log_offsets[1]
+        return log_quantiles
 
     def predict(self, inputs: Sequence[PredictionInput]) -> list[LengthPrediction]:
         """Batched prediction; clipped to [1, min(training max, max_tokens)]."""
@@ -185,9 +214,7 @@ class FastLengthModel:
         )
         log_quantiles = self.predict_log_quantiles(matrix)
         p10, p50, p90 = np.exp(log_quantiles)
-        return clip_predictions(
-            inputs, p10, p50, p90, training_max_tokens=self.training_max_tokens
-        )
+        return clip_predictions(inputs, p10, p50, p90, training_max_tokens=self.training_max_tokens)
 
     def manifest_extra(self) -> dict[str, Any]:
         """Backend settings stored in the manifest's ``extra``."""
@@ -209,6 +236,9 @@ class FastLengthModel:
             paths.append(path)
         if self.featurizer.text_model is not None:
             paths.extend(self.featurizer.text_model.save(directory))
+        offsets_path = directory / SPREAD_OFFSETS_FILE
+        offsets_path.write_text(json.dumps(list(self.spread_log_offsets)))
+        paths.append(offsets_path)
         return paths
 
     @classmethod
@@ -228,10 +258,15 @@ class FastLengthModel:
                 raise FileNotFoundError(f"fast model file not found: {path}")
             boosters[quantile] = lightgbm.Booster(model_file=str(path))
         text_model = TextScoreModel.load(directory) if config.text_score is not None else None
+        offsets_path = directory / SPREAD_OFFSETS_FILE
+        if not offsets_path.is_file():
+            raise FileNotFoundError(f"fast model file not found: {offsets_path}")
+        low_offset, high_offset = json.loads(offsets_path.read_text())
         model = cls(
             boosters,
             FastFeaturizer(config, text_model),
             manifest.training_max_tokens,
+            spread_log_offsets=(low_offset, high_offset),
             parent_version=manifest.extra.get("parent_version"),
         )
         if model.version != manifest.version:
@@ -239,101 +274,3 @@ class FastLengthModel:
                 "fast_model_version_mismatch", manifest=manifest.version, files=model.version
             )
         return model
-
-
-def train_fast(
-    prompts: Sequence[str],
-    prompt_tokens: Sequence[int],
-    num_turns: Sequence[int],
-    output_tokens: Sequence[int],
-    config: FastConfig | None = None,
-    *,
-    seed: int = 0,
-) -> FastLengthModel:
-    """Fit a ``fast`` model on parallel sequences of training examples.
-
-    ``output_tokens`` are the true lengths (>= 1); the target is their ln. Deterministic
-    for a given ``seed`` and thread count.
-    """
-    settings = config or FastConfig()
-    targets = np.asarray(output_tokens, dtype=np.float64)
-    if len(targets) == 0 or np.any(targets < 1):
-        raise ValueError("output_tokens: need at least one example, all >= 1")
-    log_targets = np.log(targets)
-    text_model: TextScoreModel | None = None
-    out_of_fold: npt.NDArray[np.float64] | None = None
-    if settings.text_score is not None:
-        text_model, out_of_fold = fit_text_score(
-            prompts, log_targets, settings.text_score, seed=seed
-        )
-    featurizer = FastFeaturizer(settings, text_model)
-    matrix = featurizer.transform(prompts, prompt_tokens, num_turns, text_scores=out_of_fold)
-    boosters = {}
-    for quantile in QUANTILES:
-        dataset = lightgbm.Dataset(matrix, log_targets, free_raw_data=False)
-        boosters[quantile] = lightgbm.train(
-            settings.lightgbm_params(quantile, seed), dataset, num_boost_round=settings.num_rounds
-        )
-    return FastLengthModel(boosters, featurizer, int(targets.max()))
-
-
-def refit_fast(
-    previous: FastLengthModel,
-    feedback_samples: Sequence[FeedbackSample],
-    *,
-    decay_rate: float = 0.9,
-) -> FastLengthModel:
-    """Return a new model whose tree leaves are refitted on served requests' true lengths.
-
-    Pure: ``previous`` is unchanged (keep it for rollback). The trees' structure is kept
-    and each leaf value becomes ``decay_rate * old + (1 - decay_rate) * fitted`` on the
-    feedback (LightGBM ``Booster.refit``), so a small batch nudges rather than replaces
-    the model. The text score is kept. The new model has a new ``version``, its
-    ``parent_version`` is ``previous.version`` and its training max grows to cover the
-    feedback. Raises ``ValueError`` for empty feedback or ``decay_rate`` outside [0, 1].
-    """
-    if not feedback_samples:
-        raise ValueError("feedback_samples: need at least one sample to refit")
-    if not 0.0 <= decay_rate <= 1.0:
-        raise ValueError(f"decay_rate: must be in [0, 1] (got {decay_rate})")
-    inputs = [sample.input for sample in feedback_samples]
-    truths = np.array([sample.true_output_tokens for sample in feedback_samples], np.float64)
-    matrix = previous.featurizer.transform(
-        [one.prompt for one in inputs],
-        [one.prompt_tokens for one in inputs],
-        [one.num_turns for one in inputs],
-    )
-    boosters = {
-        quantile: previous.boosters[quantile].refit(
-            matrix, np.log(truths), decay_rate=decay_rate, dataset_params={"min_data_in_bin": 1}
-        )
-        for quantile in QUANTILES
-    }
-    model = FastLengthModel(
-        boosters,
-        previous.featurizer,
-        max(previous.training_max_tokens, int(truths.max())),
-        parent_version=previous.version,
-    )
-    logger.info(
-        "fast_model_refitted",
-        parent_version=previous.version,
-        version=model.version,
-        num_samples=len(feedback_samples),
-    )
-    return model
-
-
-def save_fast_model(
-    model: FastLengthModel, model_dir: str | os.PathLike[str], base_manifest: Manifest
-) -> Manifest:
-    """Write ``model`` and a manifest derived from ``base_manifest`` (version, bounds)."""
-    model.save(model_dir)
-    manifest = base_manifest.with_updates(
-        backend="fast",
-        version=model.version,
-        training_max_tokens=model.training_max_tokens,
-        extra={**base_manifest.extra, **model.manifest_extra()},
-    )
-    write_manifest(model_dir, manifest)
-    return manifest

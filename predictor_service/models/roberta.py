@@ -178,7 +178,9 @@ class RobertaLengthModel:
         self.tokenizer.save_pretrained(str(directory))
 
     @classmethod
-    def load(cls, model_dir: str | os.PathLike[str], device: str | None = None) -> RobertaLengthModel:
+    def load(
+        cls, model_dir: str | os.PathLike[str], device: str | None = None
+    ) -> RobertaLengthModel:
         """Load a directory written by training; errors name the missing path."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -216,6 +218,38 @@ def load_base_model(base_model_dir: str | os.PathLike[str]) -> tuple[Any, Any]:
     )
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     return model, tokenizer
+
+
+def build_word_tokenizer(texts: Sequence[str], vocab_size: int = 5000) -> Any:
+    """A small word-level Hugging Face tokenizer fitted on ``texts``.
+
+    For fresh models in tests and smoke runs (a pretrained checkpoint brings its own
+    tokenizer). Lower-cased words and punctuation; special tokens ``<s> <pad> </s>
+    <unk> <mask>`` in RoBERTa's order, so ``<pad>`` has id 1 as in RoBERTa.
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special_tokens = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    word_tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    word_tokenizer.normalizer = normalizers.Lowercase()
+    word_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_tokenizer.train_from_iterator(
+        texts, trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=special_tokens)
+    )
+    word_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=word_tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+        cls_token="<s>",
+        sep_token="</s>",
+    )
 
 
 def create_fresh_roberta(

@@ -1,0 +1,188 @@
+"""What the engine model costs on the dispatcher's hot path (wall-clock timings, one core).
+
+``python -m blockq.engine_model.bench [--json]`` measures, on the A30 preset with a
+loaded instance (48 running requests mid-decode and 20 waiting, ShareGPT-like lengths):
+
+* ``step_us_p50`` / ``step_us_p99``: one plain :meth:`EngineScheduler.step`;
+* ``clone_us_p50``: one :meth:`EngineScheduler.clone`;
+* ``simulate_to_finish_ms_p50`` / ``_p99``: clone, add one new request, :meth:`simulate`
+  until every request finishes (``_cpu_ms_p99``: the same in thread CPU time, which
+  leaves out time slices lost to other processes; ``_steps`` / ``_jumps``: mean steps
+  simulated and decode spans collapsed per call); ``stepping_to_finish_ms_p50``: the same
+  by plain steps, for comparison;
+* ``simulate_to_new_finish_ms_p50`` / ``_p99`` (and ``_steps`` / ``_jumps``): the same,
+  stopping when the new request finishes;
+* ``simulated_steps_per_s``: steps simulated per second by :meth:`simulate`
+  (``stepped_steps_per_s``: by plain steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from blockq.engine_model.presets import get_preset
+from blockq.engine_model.request import EngineRequest
+from blockq.engine_model.scheduler import EngineScheduler
+
+NEW_REQUEST_ID = "new"
+
+
+def sharegpt_like_request(rng: random.Random, request_id: str) -> EngineRequest:
+    """Prompt lognormal around 35 tokens (cap 2,048), output around 250 (cap 1,024)."""
+    prompt_tokens = min(2048, max(1, round(rng.lognormvariate(math.log(35.0), 1.0))))
+    output_tokens = min(1024, max(1, round(rng.lognormvariate(math.log(250.0), 0.8))))
+    return EngineRequest(request_id, prompt_tokens, output_tokens)
+
+
+def build_loaded_scheduler(rng: random.Random, preset: str = "llama2-7b-a30",
+                           num_running: int = 48, num_waiting: int = 20) -> EngineScheduler:
+    """An instance as a heartbeat would show it: running requests part-way through their
+    output (KV computed up to the last token), then a FCFS queue, via :meth:`restore`."""
+    engine = get_preset(preset)
+    scheduler = EngineScheduler(engine.config, engine.latency_model)
+    running = []
+    for index in range(num_running):
+        request = sharegpt_like_request(rng, f"run{index}")
+        request.num_generated_tokens = rng.randint(1, max(1, request.output_target_tokens - 1))
+        if request.num_generated_tokens >= request.output_target_tokens:
+            request.output_target_tokens += 1
+        request.num_computed_tokens = request.num_tokens - 1
+        running.append(request)
+    waiting = [sharegpt_like_request(rng, f"wait{index}") for index in range(num_waiting)]
+    scheduler.restore(running, waiting)
+    return scheduler
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values), q))
+
+
+def _time_steps(states: list[EngineScheduler], num_steps: int) -> list[float]:
+    """Seconds of each of the first ``num_steps`` plain steps from each state (on clones)."""
+    durations_s = []
+    for state in states:
+        scheduler = state.clone()
+        for _ in range(num_steps):
+            started = time.perf_counter()
+            scheduler.step()
+            durations_s.append(time.perf_counter() - started)
+    return durations_s
+
+
+@dataclass
+class _ForecastTimings:
+    """Per call: wall-clock and thread CPU seconds, steps simulated, spans jumped."""
+
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    jumps: list[int] = field(default_factory=list)
+
+
+def _time_forecasts(states: list[EngineScheduler], rng: random.Random,
+                    run: Callable[[EngineScheduler], tuple[int, int]],
+                    num_repeats: int) -> _ForecastTimings:
+    """Time cloning a state, adding a new request and ``run``-ning it (which returns the
+    steps simulated and the spans jumped)."""
+    timings = _ForecastTimings()
+    for _ in range(num_repeats):
+        for state in states:
+            new_request = sharegpt_like_request(rng, NEW_REQUEST_ID)
+            started_s, started_cpu_s = time.perf_counter(), time.thread_time()
+            scheduler = state.clone()
+            scheduler.add_request(new_request)
+            num_steps, num_jumps = run(scheduler)
+            timings.cpu_s.append(time.thread_time() - started_cpu_s)
+            timings.wall_s.append(time.perf_counter() - started_s)
+            timings.steps.append(num_steps)
+            timings.jumps.append(num_jumps)
+    return timings
+
+
+def _simulate_until(stop_when_finished: str | None) -> Callable[[EngineScheduler], tuple[int, int]]:
+    def run(scheduler: EngineScheduler) -> tuple[int, int]:
+        result = scheduler.simulate(stop_when_finished=stop_when_finished)
+        return result.num_steps, result.num_jumps
+    return run
+
+
+def _step_to_end(scheduler: EngineScheduler) -> tuple[int, int]:
+    num_steps = 0
+    while scheduler.step() is not None:
+        num_steps += 1
+    return num_steps, 0
+
+
+def _time_clones(states: list[EngineScheduler], num_repeats: int) -> list[float]:
+    durations_s = []
+    for _ in range(num_repeats):
+        for state in states:
+            started = time.perf_counter()
+            state.clone()
+            durations_s.append(time.perf_counter() - started)
+    return durations_s
+
+
+def bench_engine_model(num_states: int = 40, num_repeats: int = 5, num_steps_per_state: int = 50,
+                       seed: int = 0, preset: str = "llama2-7b-a30", num_running: int = 48,
+                       num_waiting: int = 20) -> dict[str, Any]:
+    """Time the engine model on ``num_states`` random loaded instances (see the module
+    docstring for the keys); times in the units their names say, counts are means."""
+    rng = random.Random(seed)
+    states = [build_loaded_scheduler(rng, preset, num_running, num_waiting)
+              for _ in range(num_states)]
+    _time_forecasts(states, rng, _simulate_until(None), 1)  # warm-up, not reported
+    step_s = _time_steps(states, num_steps_per_state)
+    clone_s = _time_clones(states, num_repeats * 10)
+    stepping = _time_forecasts(states, rng, _step_to_end, 1)
+    to_finish = _time_forecasts(states, rng, _simulate_until(None), num_repeats)
+    to_new = _time_forecasts(states, rng, _simulate_until(NEW_REQUEST_ID), num_repeats)
+    figures: dict[str, Any] = {
+        "preset": preset, "num_running": num_running, "num_waiting": num_waiting,
+        "num_states": num_states,
+        "step_us_p50": _percentile(step_s, 50) * 1e6,
+        "step_us_p99": _percentile(step_s, 99) * 1e6,
+        "clone_us_p50": _percentile(clone_s, 50) * 1e6,
+        "stepping_to_finish_ms_p50": _percentile(stepping.wall_s, 50) * 1e3,
+    }
+    for name, timings in (("simulate_to_finish", to_finish), ("simulate_to_new_finish", to_new)):
+        figures[f"{name}_ms_p50"] = _percentile(timings.wall_s, 50) * 1e3
+        figures[f"{name}_ms_p99"] = _percentile(timings.wall_s, 99) * 1e3
+        # CPU time tells the model's cost apart from time slices lost to other processes
+        figures[f"{name}_cpu_ms_p99"] = _percentile(timings.cpu_s, 99) * 1e3
+        figures[f"{name}_steps"] = float(np.mean(timings.steps))
+        figures[f"{name}_jumps"] = float(np.mean(timings.jumps))
+    figures["simulated_steps_per_s"] = (sum(to_finish.steps) + sum(to_new.steps)) / (
+        sum(to_finish.wall_s) + sum(to_new.wall_s))
+    figures["stepped_steps_per_s"] = sum(stepping.steps) / sum(stepping.wall_s)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m blockq.engine_model.bench",
+                                     description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--states", type=int, default=40, help="random loaded instances (count)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed simulations per instance")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the instances")
+    parser.add_argument("--preset", default="llama2-7b-a30", help="engine preset name")
+    args = parser.parse_args(argv)
+    figures = bench_engine_model(args.states, args.repeats, seed=args.seed, preset=args.preset)
+    if args.json:
+        print(json.dumps(figures, indent=1))
+        return
+    for key, value in figures.items():
+        print(f"{key:32} {value:.3f}" if isinstance(value, float) else f"{key:32} {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""``blockq dispatch-bench``: what a placement decision costs.
+
+Pure mode (default, no Redis): ``--instances`` instances, each starting with ``--running``
+running and ``--waiting`` waiting requests of ShareGPT-like lengths; ``--requests``
+decisions on a virtual clock at ``--rate`` requests/s. Every decision's request is
+recorded on the chosen instance (as the dispatcher does), and every 100 ms of virtual
+time each instance sends a fresh heartbeat built from its replica, so the replicas are
+rebuilt at the real rate. Reports per-decision wall time.
+
+Redis mode (``--redis``): a real :class:`Dispatcher` against Redis, ``ready`` pre-filled
+with annotated requests, heartbeats for every instance; reports placements/s from
+``ready`` to the instance queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from blockq.config import Settings
+from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
+from blockq.keys import PAYLOAD_FIELD, Keys
+from blockq.protocol import Heartbeat, Prediction, Request, RequestProgress, encode
+from blockq.streams import connect_async
+from dispatcher.cluster_view import ClusterView
+from dispatcher.policies import TRUE_LENGTH_POLICIES, make_policy
+from dispatcher.service import DispatcherOptions, create_dispatcher
+from workers.bench import sharegpt_like_lengths
+
+HEARTBEAT_INTERVAL_S = 0.1
+
+
+def make_request(rng: random.Random, keys: Keys) -> Request:
+    prompt_tokens, output_tokens = sharegpt_like_lengths(rng)
+    request_id = uuid.uuid4().hex
+    spread = rng.uniform(1.5, 3.0)
+    return Request(id=request_id, prompt=tuple([1] * prompt_tokens), max_tokens=4096 - prompt_tokens,
+                   reply_stream=keys.reply(request_id), submitted_at_s=0.0, true_output_tokens=output_tokens,
+                   prediction=Prediction(prompt_tokens, output_tokens, max(1, int(output_tokens / spread)),
+                                         int(output_tokens * spread), "bench"))
+
+
+def loaded_scheduler(rng: random.Random, preset: str, num_running: int, num_waiting: int) -> EngineScheduler:
+    """A scheduler with ``num_running`` requests mid-decode and ``num_waiting`` queued."""
+    chosen = get_preset(preset)
+    scheduler = EngineScheduler(chosen.config, chosen.latency_model)
+    running = []
+    for i in range(num_running):
+        prompt_tokens, output_tokens = sharegpt_like_lengths(rng)
+        generated = rng.randrange(0, output_tokens)
+        running.append(EngineRequest(f"r{i}", prompt_tokens, output_tokens,
+                                     num_computed_tokens=prompt_tokens + generated - 1 if generated else 0,
+                                     num_generated_tokens=generated))
+    waiting = [EngineRequest(f"w{i}", *sharegpt_like_lengths(rng)) for i in range(num_waiting)]
+    scheduler.restore(running, waiting)
+    return scheduler
+
+
+def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at_s: float,
+                 preset: str) -> Heartbeat:
+    def progress(request: EngineRequest) -> RequestProgress:
+        return RequestProgress(request.request_id, request.prompt_tokens, request.num_computed_tokens,
+                               request.num_generated_tokens, request.output_target_tokens,
+                               request.output_target_tokens * 2)
+
+    return Heartbeat(instance_id=instance_id, state="live", seq=seq, sent_at_s=sent_at_s,
+                     engine_time_s=scheduler.now_s, model="emulated", preset=preset,
+                     engine_config=scheduler.config.to_dict(), latency_model=scheduler.latency_model.to_dict(),
+                     num_used_blocks=scheduler.num_used_blocks,
+                     running=tuple(progress(r) for r in scheduler.running),
+                     waiting=tuple(progress(r) for r in scheduler.waiting),
+                     num_running_total=len(scheduler.running), num_waiting_total=len(scheduler.waiting))
+
+
+def bench_decisions(*, policy: str = "block", instances: int = 16, running: int = 48, waiting: int = 20,
+                    requests: int = 10_000, rate_per_s: float = 32.0, preset: str = "llama2-7b-a30",
+                    seed: int = 0, objective: str = "e2e") -> dict[str, Any]:
+    """Per-decision wall time of ``policy`` on one core, no Redis."""
+    rng = random.Random(seed)
+    keys = Keys()
+    view = ClusterView(use_true_lengths=policy in TRUE_LENGTH_POLICIES)
+    chosen_policy = make_policy(policy, view, seed=seed, objective=objective)
+    # The "real" instances the beats come from: advanced in virtual time with what they get.
+    engines = {f"i{k}": loaded_scheduler(rng, preset, running, waiting) for k in range(instances)}
+    seq = 1
+    for instance_id, engine in engines.items():
+        view.apply_heartbeat(heartbeat_of(instance_id, engine, seq, 0.0, preset), 0.0)
+    next_beat_s = HEARTBEAT_INTERVAL_S
+    decision_s: list[float] = []
+    for index in range(requests):
+        now_s = index / rate_per_s
+        if now_s >= next_beat_s:
+            seq += 1
+            for instance_id, engine in engines.items():
+                engine.run_until(now_s)
+                view.apply_heartbeat(heartbeat_of(instance_id, engine, seq, now_s, preset), now_s)
+            next_beat_s += HEARTBEAT_INTERVAL_S
+        request = make_request(rng, keys)
+        started = time.perf_counter()
+        decision = chosen_policy.choose(request, view.live_instances(), now_s)
+        view.record_assignment(decision.instance_id, request)
+        decision_s.append(time.perf_counter() - started)
+        engine = engines[decision.instance_id]
+        engine.add_request(EngineRequest(request.id, request.prediction.prompt_tokens,  # type: ignore[union-attr]
+                                         request.true_output_tokens or 1, arrival_s=engine.now_s))
+    times_ms = np.array(decision_s) * 1000
+    return {"policy": policy, "instances": instances, "running": running, "waiting": waiting,
+            "requests": requests, "rate_per_s": rate_per_s,
+            "p50_ms": float(np.percentile(times_ms, 50)), "p99_ms": float(np.percentile(times_ms, 99)),
+            "max_ms": float(times_ms.max()), "mean_ms": float(times_ms.mean()),
+            "decisions_per_s": float(len(times_ms) / (times_ms.sum() / 1000))}
+
+
+async def bench_placements(redis_url: str, *, policy: str = "round_robin", instances: int = 16,
+                           requests: int = 10_000, seed: int = 0) -> dict[str, Any]:
+    """Sustained placements/s of a real dispatcher from ``ready`` to instance queues."""
+    settings = Settings(redis_url=redis_url, key_prefix=f"bench{uuid.uuid4().hex[:6]}:")
+    keys = settings.keys
+    rng = random.Random(seed)
+    client = connect_async(redis_url)
+    dispatcher = create_dispatcher(client, settings, policy, dispatcher_id="bench", seed=seed,
+                                   options=DispatcherOptions(batch_size=256, dead_after_s=3600))
+    await dispatcher.consumer.ensure_group()
+    now_s = time.time()
+    for k in range(instances):
+        beat = heartbeat_of(f"i{k}", loaded_scheduler(rng, "llama2-7b-a30", 8, 0), 1, now_s, "llama2-7b-a30")
+        await client.xadd(keys.heartbeats, {PAYLOAD_FIELD: encode(beat)})
+    pipe = client.pipeline(transaction=False)
+    for _ in range(requests):
+        pipe.xadd(keys.ready, {PAYLOAD_FIELD: encode(make_request(rng, keys))})
+    await pipe.execute()
+    started = time.perf_counter()
+    while dispatcher.num_placed < requests:
+        await dispatcher.step()
+    elapsed_s = time.perf_counter() - started
+    placed = sum([await client.xlen(keys.instance_queue(f"i{k}")) for k in range(instances)])
+    keys_to_delete = [key async for key in client.scan_iter(match=f"{keys.prefix}*")]
+    if keys_to_delete:
+        await client.delete(*keys_to_delete)
+    await client.aclose()
+    return {"policy": policy, "instances": instances, "requests": requests, "placed": placed,
+            "seconds": elapsed_s, "placements_per_s": requests / elapsed_s}
+
+
+def run_placements(redis_url: str, **kwargs: Any) -> dict[str, Any]:
+    return asyncio.run(bench_placements(redis_url, **kwargs))

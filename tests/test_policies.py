@@ -1,0 +1,119 @@
+"""Each policy on constructed cluster states picks what its rule says."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from blockq.protocol import RequestProgress
+from dispatcher.cluster_view import ClusterView
+from dispatcher.policies import POLICY_FACTORIES, make_policy
+from tests.factories import make_heartbeat, make_request
+
+
+def running(n: int, *, prompt: int = 100, generated: int = 50, predicted: int = 300, prefix: str = "r") -> tuple:
+    return tuple(RequestProgress(f"{prefix}{i}", prompt, prompt + generated - 1, generated, predicted, predicted * 2)
+                 for i in range(n))
+
+
+def view_with(*beats) -> ClusterView:  # noqa: ANN002
+    view = ClusterView()
+    now = time.time()
+    for beat in beats:
+        view.apply_heartbeat(beat, now)
+    return view
+
+
+def choose(name: str, view: ClusterView, request=None, seed: int = 0) -> str:  # noqa: ANN001
+    policy = make_policy(name, view, seed=seed)
+    return policy.choose(request or make_request(predicted=200), view.live_instances(), time.time()).instance_id
+
+
+def test_registry_lists_every_policy() -> None:
+    assert set(POLICY_FACTORIES) == {"round_robin", "random", "least_requests", "least_kv", "llumnix",
+                                     "power_of_two", "block", "oracle"}
+    with pytest.raises(ValueError, match="policy: unknown 'nope'"):
+        make_policy("nope")
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    view = view_with(make_heartbeat("b"), make_heartbeat("a"), make_heartbeat("c"))
+    policy = make_policy("round_robin", view)
+    picks = [policy.choose(make_request(), view.live_instances(), 0).instance_id for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_least_requests_counts_assigned_not_seen() -> None:
+    view = view_with(make_heartbeat("a", running=running(3)), make_heartbeat("b", running=running(1)))
+    assert choose("least_requests", view) == "b"
+    for _ in range(3):
+        view.record_assignment("b", make_request())
+    assert choose("least_requests", view) == "a"  # b: 1 running + 3 assigned, a: 3
+
+
+def test_llumnix_prefers_more_free_blocks_per_running_request() -> None:
+    # a: 1000 free blocks over 10 running = 100; b: 300 free over 2 running = 150.
+    view = view_with(make_heartbeat("a", running=running(10), num_used_blocks=52),
+                     make_heartbeat("b", running=running(2), num_used_blocks=752))
+    assert choose("llumnix", view) == "b"
+    # Waiting prompts reserve blocks: 40 waiting 100-token prompts (7 blocks each) sink b.
+    waiting = tuple(RequestProgress(f"w{i}", 100, 0, 0, 300, 600) for i in range(40))
+    view = view_with(make_heartbeat("a", running=running(10), num_used_blocks=52),
+                     make_heartbeat("b", running=running(2), waiting=waiting, num_used_blocks=752))
+    assert choose("llumnix", view) == "a"
+
+
+def test_least_kv_prefers_free_blocks_per_running_request() -> None:
+    view = view_with(make_heartbeat("a", running=running(4), num_used_blocks=900),
+                     make_heartbeat("b", running=running(8), num_used_blocks=100))
+    assert choose("least_kv", view) == "b"   # 952/8 = 119 > 152/4 = 38
+
+
+def test_block_avoids_instance_whose_kv_the_request_would_exhaust() -> None:
+    # "tight": 4 running requests that will each grow to 3,900 tokens (244 blocks): today
+    # 524 blocks are free (131 per request), so a snapshot rule like llumnix prefers it over
+    # "roomy" (12 short requests, 82 free blocks per request). But 4 x 244 blocks plus the
+    # new request's 100 exceed the 1,052 the instance has: it would preempt.
+    tight = make_heartbeat("tight", running=running(4, prompt=2000, generated=100, predicted=1900, prefix="t"),
+                           num_used_blocks=4 * 132, num_gpu_blocks=1052)
+    roomy = make_heartbeat("roomy", running=running(12, prompt=50, generated=20, predicted=60, prefix="r"),
+                           num_used_blocks=12 * 5)
+    view = view_with(tight, roomy)
+    request = make_request("x " * 100, max_tokens=2000, predicted=1500)
+    assert choose("llumnix", view, request) == "tight"
+    assert choose("block", view, request) == "roomy"
+
+
+def test_block_records_predicted_latencies() -> None:
+    view = view_with(make_heartbeat("a"), make_heartbeat("b", running=running(20)))
+    policy = make_policy("block", view, seed=0)
+    decision = policy.choose(make_request(predicted=100), view.live_instances(), time.time())
+    assert decision.instance_id == "a"
+    assert decision.predicted_ttft_ms is not None and 0 < decision.predicted_ttft_ms < decision.predicted_e2e_ms
+    # 100 tokens at ~20 ms per decode step on an idle A30: about two seconds.
+    assert 1500 < decision.predicted_e2e_ms < 3000
+
+
+def test_oracle_refuses_requests_without_truth() -> None:
+    view = view_with(make_heartbeat("a"))
+    with pytest.raises(ValueError, match="true_output_tokens"):
+        choose("oracle", view, make_request(predicted=10))
+    assert choose("oracle", view, make_request(predicted=10, true_output_tokens=12)) == "a"
+
+
+@pytest.mark.parametrize("name", ["block", "least_requests", "llumnix", "power_of_two"])
+def test_burst_within_one_heartbeat_is_spread(name: str) -> None:
+    """50 requests placed before any new beat arrives must not pile onto one idle instance."""
+    view = view_with(*(make_heartbeat(f"i{k}") for k in range(4)))
+    policy = make_policy(name, view, seed=3)
+    now = time.time()
+    counts: Counter[str] = Counter()
+    for _ in range(50):
+        request = make_request(predicted=250)
+        chosen = policy.choose(request, view.live_instances(), now).instance_id
+        view.record_assignment(chosen, request)
+        counts[chosen] += 1
+    assert len(counts) == 4
+    assert max(counts.values()) <= 18, counts

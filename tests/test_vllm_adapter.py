@@ -1,0 +1,108 @@
+"""The vLLM adapter's mapping, against a double that follows vLLM's documented
+``generate()`` contract (cumulative RequestOutput objects; ``abort``). No GPU here."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from workers.engines.base import EngineRequestSpec
+from workers.engines.vllm import VllmEngine, VllmEngineOptions
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass
+class EngineDouble:
+    """Emits one token per iteration, cumulative text, like vLLM's default output kind."""
+
+    num_tokens: int = 4
+    delay_s: float = 0.001
+    aborted: list[str] = field(default_factory=list)
+    seen_prompts: list[object] = field(default_factory=list)
+
+    async def generate(self, prompt, params, request_id):  # noqa: ANN001, ANN201
+        self.seen_prompts.append(prompt)
+        words = []
+        for i in range(self.num_tokens):
+            await asyncio.sleep(self.delay_s)
+            words.append(f" w{i}")
+            done = i == self.num_tokens - 1
+            yield RequestOutput(request_id, [CompletionOutput("".join(words), list(range(i + 1)),
+                                                              "length" if done else None)], done)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def spec(request_id: str, prompt: object = "hi") -> EngineRequestSpec:
+    return EngineRequestSpec(request_id=request_id, prompt=prompt, prompt_tokens=2, max_tokens=4,
+                             predicted_output_tokens=4)
+
+
+async def drain(engine: VllmEngine) -> list:
+    events = []
+    while engine.has_unfinished_requests():
+        events.extend((await engine.step()).events)
+    return events
+
+
+async def test_tokens_map_to_events_with_deltas_and_finish() -> None:
+    double = EngineDouble()
+    engine = VllmEngine(VllmEngineOptions(model="m"), engine=double, params_factory=lambda s: None)
+    engine.add_request(spec("a"))
+    engine.add_request(spec("b", prompt=(1, 2, 3)))
+    events = await drain(engine)
+    for request_id in ("a", "b"):
+        mine = [e for e in events if e.request_id == request_id]
+        assert "".join(e.text for e in mine) == " w0 w1 w2 w3"
+        assert sum(e.num_new_tokens for e in mine) == 4
+        assert mine[0].is_first and not any(e.is_first for e in mine[1:])
+        assert mine[-1].finished and mine[-1].finish_reason == "length"
+    assert double.seen_prompts[1] == {"prompt_token_ids": [1, 2, 3]}
+
+
+async def test_progress_and_admission_follow_observed_state() -> None:
+    engine = VllmEngine(VllmEngineOptions(model="m", max_num_seqs=2), engine=EngineDouble(num_tokens=50),
+                        params_factory=lambda s: None)
+    engine.add_request(spec("a"))
+    assert engine.num_admittable() == 1
+    running, waiting, _ = engine.progress()
+    assert not running and [w.request_id for w in waiting] == ["a"]
+    await engine.step()
+    running, waiting, blocks = engine.progress()
+    assert [r.request_id for r in running] == ["a"] and blocks == 1
+    assert engine.abort_request("a")
+    await asyncio.sleep(0.01)
+    assert engine.engine.aborted == ["a"]
+    assert engine.progress() == ([], [], 0)
+    assert not engine.abort_request("a")
+
+
+def test_missing_model_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="model: --model PATH is required"):
+        VllmEngineOptions(model=None)
+
+
+def test_missing_vllm_package_is_a_clear_error() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="'vllm' package is not installed"):
+            VllmEngine(VllmEngineOptions(model="/models/llama"))
+    else:
+        pytest.skip("vLLM is installed")
