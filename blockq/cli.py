@@ -292,6 +292,74 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_gateway_and_batch(sub: argparse._SubParsersAction) -> None:
+    from blockq.batch.cli import add_batch_commands
+    from blockq.gateway import cli as gateway_cli
+
+    p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway (python -m blockq.gateway)")
+    gateway_cli.add_arguments(p)
+    p.set_defaults(handler=gateway_cli.run)
+    add_batch_commands(sub)
+
+
+def _add_dispatch_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dispatch-bench", help="placement decision latency (pure) or placements/s (--redis)")
+    p.add_argument("--instances", type=int, default=16)
+    p.add_argument("--running", type=int, default=48, help="running requests per instance at the start")
+    p.add_argument("--waiting", type=int, default=20, help="waiting requests per instance at the start")
+    p.add_argument("--requests", type=int, default=10_000, help="decisions to time")
+    p.add_argument("--rate", type=float, default=32.0, help="requests/s on the virtual clock (beats every 100 ms)")
+    p.add_argument("--policy", default="block", help="a policy name, or a comma-separated list")
+    p.add_argument("--objective", default="e2e")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--redis", dest="redis_url", default=None,
+                   help="measure placements/s through a real dispatcher on this Redis ('embedded' starts one)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_dispatch_bench)
+
+
+def cmd_dispatch_bench(args: argparse.Namespace) -> int:
+    from dispatcher.bench import bench_decisions, run_placements
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    results = []
+    if args.redis_url:
+        results = _placements_on_redis(args, policies, run_placements)
+    else:
+        for policy in policies:
+            results.append(bench_decisions(policy=policy, instances=args.instances, running=args.running,
+                                           waiting=args.waiting, requests=args.requests, rate_per_s=args.rate,
+                                           seed=args.seed, objective=args.objective))
+    if args.json:
+        _print_json(results[0] if len(results) == 1 else results)
+        return 0
+    for result in results:
+        if "placements_per_s" in result:
+            sys.stdout.write(f"{result['policy']:<16} {result['placements_per_s']:>10.0f} placements/s "
+                             f"({result['requests']} requests, {result['instances']} instances)\n")
+        else:
+            sys.stdout.write(f"{result['policy']:<16} p50 {result['p50_ms']:.3f} ms  p99 {result['p99_ms']:.3f} ms  "
+                             f"max {result['max_ms']:.3f} ms  {result['decisions_per_s']:.0f} decisions/s\n")
+    return 0
+
+
+def _placements_on_redis(args: argparse.Namespace, policies: list[str], run_placements: Any) -> list[dict[str, Any]]:
+    import tempfile
+
+    from blockq.embedded_redis import start_embedded_redis
+
+    if args.redis_url != "embedded":
+        return [run_placements(args.redis_url, policy=p, instances=args.instances, requests=args.requests,
+                               seed=args.seed) for p in policies]
+    with tempfile.TemporaryDirectory(prefix="blockq-dispatch-bench-") as tmp:
+        server = start_embedded_redis(Path(tmp))
+        try:
+            return [run_placements(server.url, policy=p, instances=args.instances, requests=args.requests,
+                                   seed=args.seed) for p in policies]
+        finally:
+            server.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockq", description="predictive dispatcher for LLM engine fleets")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -302,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_services(sub)
     _add_bench(sub)
     _add_bench_engine(sub)
+    _add_gateway_and_batch(sub)
     return parser
 
 

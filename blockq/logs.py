@@ -22,7 +22,7 @@ def configure_logging(level: str = "info", component: str | None = None) -> None
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=False,
     )
     if component:
         structlog.contextvars.bind_contextvars(component=component)

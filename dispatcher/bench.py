@@ -119,24 +119,37 @@ def bench_decisions(*, policy: str = "block", instances: int = 16, running: int 
 async def bench_placements(redis_url: str, *, policy: str = "round_robin", instances: int = 16,
                            requests: int = 10_000, seed: int = 0) -> dict[str, Any]:
     """Sustained placements/s of a real dispatcher from ``ready`` to instance queues."""
-    settings = Settings(redis_url=redis_url, key_prefix=f"bench{uuid.uuid4().hex[:6]}:")
+    settings = Settings(redis_url=redis_url, key_prefix=f"bench{uuid.uuid4().hex[:6]}:", log_level="warning")
     keys = settings.keys
     rng = random.Random(seed)
     client = connect_async(redis_url)
     dispatcher = create_dispatcher(client, settings, policy, dispatcher_id="bench", seed=seed,
                                    options=DispatcherOptions(batch_size=256, dead_after_s=3600))
     await dispatcher.consumer.ensure_group()
-    now_s = time.time()
-    for k in range(instances):
-        beat = heartbeat_of(f"i{k}", loaded_scheduler(rng, "llama2-7b-a30", 8, 0), 1, now_s, "llama2-7b-a30")
-        await client.xadd(keys.heartbeats, {PAYLOAD_FIELD: encode(beat)})
+    engines = [loaded_scheduler(rng, "llama2-7b-a30", 8, 0) for _ in range(instances)]
+
+    async def publish_beats(seq: int) -> None:
+        # Instances that stop beating turn suspect within 250 ms: keep them live.
+        beat_pipe = client.pipeline(transaction=False)
+        for k, engine in enumerate(engines):
+            beat = heartbeat_of(f"i{k}", engine, seq, time.time(), "llama2-7b-a30")
+            beat_pipe.xadd(keys.heartbeats, {PAYLOAD_FIELD: encode(beat)})
+        await beat_pipe.execute()
+
+    await publish_beats(1)
     pipe = client.pipeline(transaction=False)
     for _ in range(requests):
         pipe.xadd(keys.ready, {PAYLOAD_FIELD: encode(make_request(rng, keys))})
     await pipe.execute()
     started = time.perf_counter()
+    next_beat_at = started + HEARTBEAT_INTERVAL_S
+    seq = 1
     while dispatcher.num_placed < requests:
         await dispatcher.step()
+        if time.perf_counter() >= next_beat_at:
+            seq += 1
+            await publish_beats(seq)
+            next_beat_at += HEARTBEAT_INTERVAL_S
     elapsed_s = time.perf_counter() - started
     placed = sum([await client.xlen(keys.instance_queue(f"i{k}")) for k in range(instances)])
     keys_to_delete = [key async for key in client.scan_iter(match=f"{keys.prefix}*")]

@@ -70,6 +70,9 @@ class Dispatcher:
                                       dead_letter_stream=self.keys.dead_letters,
                                       claim_idle_ms=settings.claim_idle_ms)
         self.unplaced: deque[tuple[StreamEntry, Request]] = deque()
+        # Entry ids held in `unplaced`: a slow batch can outlive claim_idle_ms, and the
+        # entries XAUTOCLAIM hands back then are ones this dispatcher already holds.
+        self._unplaced_ids: set[str] = set()
         self._last_beat_id = "0-0"
         self._queues_to_redispatch: dict[str, InstanceView] = {}
         self._renew_lease = client.register_script(_RENEW_LEASE)
@@ -149,16 +152,20 @@ class Dispatcher:
         """Place retried and new requests in order; one pipeline for all writes."""
         pipe = self.client.pipeline(transaction=False)
         for entry in entries:
+            if entry.entry_id in self._unplaced_ids:
+                continue
             try:
                 if entry.payload is None:
                     raise ValidationError("message", f"entry has no '{PAYLOAD_FIELD}' field")
                 self.unplaced.append((entry, decode_request(entry.payload, self.settings.limits)))
+                self._unplaced_ids.add(entry.entry_id)
             except ValidationError as exc:
                 self.consumer.dead_letter(pipe, entry, str(exc))
         candidates = self.view.live_instances()
         num_placed = 0
         while self.unplaced and candidates:
             entry, request = self.unplaced.popleft()
+            self._unplaced_ids.discard(entry.entry_id)
             try:
                 placed = self._assign(request, candidates)
             except ValueError as exc:  # the policy cannot place this request (e.g. oracle without truth)

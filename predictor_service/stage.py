@@ -5,6 +5,10 @@ Reads in batches through the ``predict`` consumer group so that N replicas share
 work; one model call per batch. Each entry is ACKed in the same pipeline that writes
 its annotated copy to ``ready``; an entry that cannot be decoded or predicted is
 dead-lettered with the reason and the stage carries on.
+
+``serve_predictor`` (the ``serve`` command) runs the stage together with the feedback
+consumer (:mod:`.feedback`), the optional online refit (:mod:`.online`) and the HTTP
+API (:mod:`.http_api`) in one event loop.
 """
 
 from __future__ import annotations
@@ -13,18 +17,20 @@ import argparse
 import asyncio
 import os
 import socket
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
 
-from blockq.config import Settings
+from blockq.config import ConfigError, Settings
 from blockq.keys import GROUP_PREDICT, PAYLOAD_FIELD
 from blockq.protocol import Prediction, Request, ValidationError, decode_request, encode
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import GroupConsumer, StreamEntry, connect_async
 from blockq.tokenizer import TokenCounter, get_token_counter
+from predictor_service.manifest import read_manifest
 from predictor_service.models import (
     LengthPrediction,
     LengthPredictor,
@@ -47,14 +53,23 @@ def default_consumer_name(role: str) -> str:
 
 
 class PredictorStage:
-    """Annotates requests with ``prompt_tokens`` and a :class:`Prediction`."""
+    """Annotates requests with ``prompt_tokens`` and a :class:`Prediction`.
+
+    ``predictor`` is read once per batch, so replacing it (online refit, rollback) is
+    one attribute assignment that takes effect from the next batch; ``served_versions``
+    collects every version stamped so far. ``on_annotated`` (optional) is called with
+    each annotated request's id and model input.
+    """
 
     def __init__(self, client: aioredis.Redis, settings: Settings, predictor: LengthPredictor,
                  token_counter: TokenCounter, *, consumer_name: str | None = None,
-                 options: StageOptions | None = None) -> None:
+                 options: StageOptions | None = None,
+                 on_annotated: Callable[[str, PredictionInput], None] | None = None) -> None:
         self.client = client
         self.settings = settings
         self.predictor = predictor
+        self.served_versions: set[str] = {predictor.version}
+        self.on_annotated = on_annotated
         self.token_counter = token_counter
         self.options = options or StageOptions()
         keys = settings.keys
@@ -64,6 +79,7 @@ class PredictorStage:
         )
         self.num_annotated = 0
         self.num_dead_lettered = 0
+        self.batch_size_to_num_batches: Counter[int] = Counter()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set."""
@@ -77,6 +93,7 @@ class PredictorStage:
     async def process(self, entries: Sequence[StreamEntry]) -> None:
         """Annotate one batch; write ``ready`` entries, dead letters and ACKs in one pipeline."""
         pipe = self.client.pipeline(transaction=False)
+        self.batch_size_to_num_batches[len(entries)] += 1
         decoded: list[tuple[StreamEntry, Request]] = []
         for entry in entries:
             try:
@@ -101,6 +118,8 @@ class PredictorStage:
         """Annotated requests, or a reason string for each one that could not be predicted."""
         if not requests:
             return []
+        predictor = self.predictor  # one model per batch, even if a refit swaps it meanwhile
+        self.served_versions.add(predictor.version)
         texts = [r.prompt for r in requests if isinstance(r.prompt, str)]
         text_counts = iter(self.token_counter.count(texts)) if texts else iter(())
         inputs = []
@@ -112,25 +131,34 @@ class PredictorStage:
                 num_turns=request.num_turns, true_output_tokens=request.true_output_tokens,
                 trace_predicted_output_tokens=request.trace_predicted_output_tokens,
             ))
+        results: list[Request | str]
         try:
-            predictions = self.predictor.predict(inputs)
+            predictions = predictor.predict(inputs)
         except ValueError:
             # One bad request (e.g. `oracle` without a true length) must not sink its batch.
-            return [self._annotate_one(request, one) for request, one in zip(requests, inputs, strict=True)]
-        return [request.with_prediction(self._prediction(one, p))
-                for request, one, p in zip(requests, inputs, predictions, strict=True)]
+            results = [self._annotate_one(predictor, request, one)
+                       for request, one in zip(requests, inputs, strict=True)]
+        else:
+            results = [request.with_prediction(_prediction(one, p, predictor.version))
+                       for request, one, p in zip(requests, inputs, predictions, strict=True)]
+        if self.on_annotated is not None:
+            for request, one, result in zip(requests, inputs, results, strict=True):
+                if not isinstance(result, str):
+                    self.on_annotated(request.id, one)
+        return results
 
-    def _annotate_one(self, request: Request, one: PredictionInput) -> Request | str:
+    def _annotate_one(self, predictor: LengthPredictor, request: Request,
+                      one: PredictionInput) -> Request | str:
         try:
-            (p,) = self.predictor.predict([one])
+            (p,) = predictor.predict([one])
         except ValueError as exc:
             return f"prediction failed: {exc}"
-        return request.with_prediction(self._prediction(one, p))
+        return request.with_prediction(_prediction(one, p, predictor.version))
 
-    def _prediction(self, one: PredictionInput, p: LengthPrediction) -> Prediction:
-        return Prediction(prompt_tokens=one.prompt_tokens, predicted_output_tokens=p.predicted_output_tokens,
-                          p10_tokens=p.p10_tokens, p90_tokens=p.p90_tokens,
-                          predictor_version=self.predictor.version)
+
+def _prediction(one: PredictionInput, p: LengthPrediction, version: str) -> Prediction:
+    return Prediction(prompt_tokens=one.prompt_tokens, predicted_output_tokens=p.predicted_output_tokens,
+                      p10_tokens=p.p10_tokens, p90_tokens=p.p90_tokens, predictor_version=version)
 
 
 # --- command line: `blockq predictor serve` / `python -m predictor_service` ----------------
@@ -145,23 +173,80 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="max requests per read and model call")
     parser.add_argument("--http-port", type=int, default=None, help="also serve the HTTP API on this port")
     parser.add_argument("--http-host", default="127.0.0.1")
+    quality = parser.add_argument_group("online quality (from the done stream)")
+    quality.add_argument("--feedback-window", type=int, default=1000,
+                         help="done records in the rolling MAE/Acc-50/Acc-100 window (count)")
+    quality.add_argument("--feedback-all-versions", action="store_true",
+                         help="count done records of every predictor version, not only this process's")
+    refit = parser.add_argument_group("online refit (fast backend)")
+    refit.add_argument("--online-refit", action="store_true",
+                       help="refit the fast model from done-stream feedback in the background")
+    refit.add_argument("--refit-every-samples", type=int, default=2000,
+                       help="refit after this many new feedback samples (count)")
+    refit.add_argument("--refit-interval-s", type=float, default=600.0,
+                       help="or after this many seconds, once --refit-min-samples arrived")
+    refit.add_argument("--refit-min-samples", type=int, default=200,
+                       help="new feedback samples needed before any refit (count)")
+    refit.add_argument("--refit-save-dir", default=None,
+                       help="also write each refitted model to DIR/<version>")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if args.online_refit and args.backend != "fast":
+        raise ConfigError(f"--online-refit: needs --backend fast (got {args.backend!r})")
     predictor = load_predictor(args.backend, args.model_dir)
     token_counter = get_token_counter(args.tokenizer)
 
     async def main(stop: asyncio.Event) -> None:
         client = connect_async(settings.redis_url)
-        stage = PredictorStage(client, settings, predictor, token_counter,
-                               options=StageOptions(batch_size=args.batch_size))
         try:
-            await stage.run(stop)
+            await serve_predictor(stop, client, settings, predictor, token_counter, args)
         finally:
             await client.aclose()
 
     return run_service(settings, "predictor", main)
+
+
+async def serve_predictor(stop: asyncio.Event, client: aioredis.Redis, settings: Settings,
+                          predictor: LengthPredictor, token_counter: TokenCounter,
+                          args: argparse.Namespace) -> None:
+    """Run the stage, the feedback consumer, the online refit (``--online-refit``) and
+    the HTTP API (``--http-port``) in this event loop until ``stop`` is set."""
+    from predictor_service.feedback import FeedbackConsumer, FeedbackOptions, build_quality_monitor
+    from predictor_service.online import OnlineRefitOptions, OnlineRefitter
+
+    stage = PredictorStage(client, settings, predictor, token_counter,
+                           options=StageOptions(batch_size=args.batch_size))
+    refitter = None
+    if args.online_refit:
+        refit_options = OnlineRefitOptions(
+            refit_every_samples=args.refit_every_samples, refit_interval_s=args.refit_interval_s,
+            min_samples=args.refit_min_samples, save_dir=args.refit_save_dir)
+        refitter = OnlineRefitter(stage, refit_options, base_manifest=read_manifest(args.model_dir))
+        stage.on_annotated = refitter.remember
+    feedback_options = FeedbackOptions(window_size=args.feedback_window,
+                                       count_all_versions=args.feedback_all_versions)
+    feedback = FeedbackConsumer(
+        client, settings, build_quality_monitor(args.model_dir, predictor.version, feedback_options),
+        served_versions=stage.served_versions, consumer_name=default_consumer_name("feedback"),
+        options=feedback_options, on_counted=refitter.observe_done if refitter else None)
+    runner = None
+    if args.http_port is not None:
+        from predictor_service.http_api import HttpApiOptions, create_app, start_http_api
+
+        app = create_app(stage, token_counter, options=HttpApiOptions.from_limits(settings.limits),
+                         stage=stage, feedback=feedback, refitter=refitter)
+        runner = await start_http_api(app, args.http_host, args.http_port)
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(stage.run(stop))
+            group.create_task(feedback.run(stop))
+            if refitter is not None:
+                group.create_task(refitter.run(stop))
+    finally:
+        if runner is not None:
+            await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:

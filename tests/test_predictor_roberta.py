@@ -84,3 +84,26 @@ def test_tiny_roberta_trains_and_loss_falls(tmp_path: Path) -> None:
     loaded = load_predictor("roberta", str(out_dir))
     assert loaded.version == model.version
     assert loaded.predict([short, long]) == [p_short, p_long]
+
+
+def test_train_and_evaluate_roberta_through_the_training_api(tmp_path: Path) -> None:
+    import torch
+
+    from predictor_service.training import evaluate, train
+
+    torch.set_num_threads(1)
+    data = make_synthetic_sharegpt(tmp_path / "train.json.gz", 120)
+    prompts = [f"{kind} ideas words sentence essay" for kind in ("list", "write", "explain")]
+    base_dir = create_fresh_roberta(tmp_path / "base", build_word_tokenizer(prompts), **TINY)
+    manifest = train(
+        data,
+        "roberta",
+        tmp_path / "model",
+        base_model_dir=base_dir,
+        roberta_config=RobertaTrainConfig(max_steps=4, batch_size=8, max_length=64, device="cpu"),
+    )
+    assert manifest.backend == "roberta" and manifest.extra["num_steps"] == 4
+    assert manifest.extra["target_transform"].startswith("z = (ln(output_tokens)")
+    result = evaluate(tmp_path / "model", data)
+    assert result["split"] == "val" and result["count"] == manifest.num_val_examples
+    assert result["version"] == manifest.version

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import redis
 
@@ -126,22 +127,25 @@ def pending_count(sync_redis: redis.Redis, queue: str) -> int:
         return 0
 
 
-def start_worker_process(settings: Settings, instance_id: str, time_scale: float = 0.5) -> subprocess.Popen[bytes]:
+def start_worker_process(settings: Settings, instance_id: str, log_path: Path,
+                         time_scale: float = 0.5) -> subprocess.Popen[bytes]:
+    # Logs go to a file: an unread pipe fills up and blocks the worker.
     return subprocess.Popen(
         [sys.executable, "-m", "workers", "--instance-id", instance_id, "--time-scale", str(time_scale),
          "--noise", "0", "--bundle-size", "4"],
         env={**os.environ, "BLOCKQ_REDIS_URL": settings.redis_url, "BLOCKQ_CLAIM_IDLE_MS": "1000",
              "BLOCKQ_LOG_LEVEL": "warning"},
-        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=log_path.open("ab"))
 
 
-def test_sigterm_drains_and_loses_nothing(settings: Settings, sync_redis: redis.Redis) -> None:
-    process = start_worker_process(settings, "w3")
+def test_sigterm_drains_and_loses_nothing(settings: Settings, sync_redis: redis.Redis, tmp_path: Path) -> None:
+    log_path = tmp_path / "worker.log"
+    process = start_worker_process(settings, "w3", log_path)
     try:
         ids = enqueue(sync_redis, settings, "w3", 60, output_tokens=40)
         wait_until(lambda: pending_count(sync_redis, settings.keys.instance_queue("w3")) > 0, timeout_s=20)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0, process.stderr.read().decode() if process.stderr else ""
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-4000:]
     finally:
         if process.poll() is None:
             process.kill()
@@ -154,8 +158,8 @@ def test_sigterm_drains_and_loses_nothing(settings: Settings, sync_redis: redis.
     assert decode_heartbeat(sync_redis.hget(settings.keys.instances, "w3")).state == "stopped"
 
 
-def test_restart_after_crash_resumes_pending(settings: Settings, sync_redis: redis.Redis) -> None:
-    process = start_worker_process(settings, "w4")
+def test_restart_after_crash_resumes_pending(settings: Settings, sync_redis: redis.Redis, tmp_path: Path) -> None:
+    process = start_worker_process(settings, "w4", tmp_path / "worker.log")
     queue = settings.keys.instance_queue("w4")
     try:
         ids = enqueue(sync_redis, settings, "w4", 12, output_tokens=60)
@@ -164,7 +168,7 @@ def test_restart_after_crash_resumes_pending(settings: Settings, sync_redis: red
         process.wait(timeout=10)
         pending_at_crash = sync_redis.xpending(queue, GROUP_WORK)["pending"]
         assert pending_at_crash > 0
-        process = start_worker_process(settings, "w4")
+        process = start_worker_process(settings, "w4", tmp_path / "worker-restarted.log")
         wait_until(lambda: len(finals(sync_redis, settings, ids)) == 12, timeout_s=60)
     finally:
         process.send_signal(signal.SIGTERM)

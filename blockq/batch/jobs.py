@@ -1,0 +1,111 @@
+"""Batch jobs from the submitting side: enqueue, inspect, cancel. Jobs are rq jobs on the
+queue :attr:`BatchKeys.queue_name` of the cluster's Redis; their status names are rq's
+(``queued``, ``started``, ``finished``, ``failed``, ``stopped``, ``canceled``, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import Job, JobStatus
+
+from blockq.batch.keys import BatchKeys
+from blockq.batch.lines import count_lines
+from blockq.batch.runner import RESULTS_TTL_S, BatchOptions
+from blockq.config import ConfigError, Settings
+
+JOB_FUNCTION = "blockq.batch.runner.execute_batch_job"
+DEFAULT_JOB_TIMEOUT_S = 7 * 24 * 3600
+WAITING_STATUSES = (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED)
+ENDED_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
+
+
+class BatchJobNotFound(LookupError):
+    """No batch job with that id on this cluster's batch queue."""
+
+
+def batch_queue(connection: redis.Redis, settings: Settings) -> Queue:
+    return Queue(BatchKeys(settings.key_prefix).queue_name, connection=connection)
+
+
+def default_errors_path(output_path: Path) -> Path:
+    """``results.jsonl`` -> ``results.errors.jsonl``."""
+    return output_path.with_name(f"{output_path.stem}.errors{output_path.suffix or '.jsonl'}")
+
+
+def submit_batch(connection: redis.Redis, settings: Settings, options: BatchOptions,
+                 job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S) -> Job:
+    """Enqueue a job for ``options`` (paths must be absolute and visible to the workers).
+    ``job.meta`` starts as total = the input's non-blank lines, done = failed = 0."""
+    input_path = Path(options.input_path)
+    if not input_path.is_absolute() or not Path(options.output_path).is_absolute():
+        raise ConfigError("batch paths: input and output must be absolute paths")
+    if not input_path.is_file():
+        raise ConfigError(f"input: no such file: {input_path}")
+    if not Path(options.output_path).parent.is_dir():
+        raise ConfigError(f"out: directory does not exist: {Path(options.output_path).parent}")
+    total = count_lines(input_path)
+    meta = {"total": total, "done": 0, "failed": 0, "canceled": False, "input": options.input_path,
+            "output": options.output_path, "errors": options.errors_path}
+    return batch_queue(connection, settings).enqueue_call(
+        JOB_FUNCTION, kwargs={"options": options.to_map()}, timeout=job_timeout_s, result_ttl=RESULTS_TTL_S,
+        failure_ttl=RESULTS_TTL_S, description=f"batch {input_path.name} ({total} lines)", meta=meta)
+
+
+def fetch_batch_job(connection: redis.Redis, settings: Settings, job_id: str) -> Job:
+    try:
+        job = Job.fetch(job_id, connection=connection)
+    except NoSuchJobError:
+        raise BatchJobNotFound(f"no batch job {job_id!r}") from None
+    if job.origin != BatchKeys(settings.key_prefix).queue_name:
+        raise BatchJobNotFound(f"job {job_id!r} is not a batch job of this cluster")
+    return job
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def batch_status(connection: redis.Redis, settings: Settings, job_id: str) -> dict[str, Any]:
+    """``job_id``, ``status`` (rq's name), ``done``, ``failed``, ``total``, ``canceled``,
+    file paths, timestamps and, for a failed job, the last line of its error."""
+    job = fetch_batch_job(connection, settings, job_id)
+    meta = job.get_meta(refresh=True)
+    status = job.get_status(refresh=True)
+    error = None
+    if status == JobStatus.FAILED:
+        latest = job.latest_result()
+        lines = ((latest.exc_string or "") if latest is not None else "").strip().splitlines()
+        error = lines[-1] if lines else "failed"
+    return {
+        "job_id": job.id, "status": str(status.value if hasattr(status, "value") else status),
+        "done": int(meta.get("done", 0)), "failed": int(meta.get("failed", 0)), "total": int(meta.get("total", 0)),
+        "canceled": bool(meta.get("canceled")) or status == JobStatus.CANCELED,
+        "input": meta.get("input"), "output": meta.get("output"), "errors": meta.get("errors"),
+        "enqueued_at": _iso(job.enqueued_at), "started_at": _iso(job.started_at), "ended_at": _iso(job.ended_at),
+        "error": error,
+    }
+
+
+def cancel_batch(connection: redis.Redis, settings: Settings, job_id: str, wait_s: float = 30.0) -> dict[str, Any]:
+    """Cancel a job: a waiting one at once; a running one stops at its next check (about
+    0.2 s), cancels its requests in flight, writes the lines finished so far and ends as
+    ``canceled``. Waits up to ``wait_s`` for that; returns the job's status."""
+    job = fetch_batch_job(connection, settings, job_id)
+    status = job.get_status(refresh=True)
+    if status in ENDED_STATUSES:
+        return batch_status(connection, settings, job_id)
+    connection.set(BatchKeys(settings.key_prefix).cancel_flag(job_id), 1, ex=RESULTS_TTL_S)
+    if status in WAITING_STATUSES:
+        with contextlib.suppress(InvalidJobOperation):
+            job.cancel()
+    deadline_s = time.monotonic() + wait_s
+    while time.monotonic() < deadline_s and job.get_status(refresh=True) not in ENDED_STATUSES:
+        time.sleep(0.1)
+    return batch_status(connection, settings, job_id)
