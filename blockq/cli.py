@@ -377,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from blockq.logs import configure_logging
+
+    # Logs go to stderr as JSON lines, so that --json output on stdout stays parseable.
+    configure_logging(os.environ.get("BLOCKQ_LOG_LEVEL", "warning").lower())
     try:
         return int(args.handler(args) or 0)
     except ConfigError as exc:

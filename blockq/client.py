@@ -240,8 +240,10 @@ class AsyncClient:
         url = redis_url or self.settings.redis_url
         if not url:
             raise ConfigError("redis_url: not set (pass redis_url= or set BLOCKQ_REDIS_URL)")
-        # Each streaming handle holds a connection while it blocks on XREAD.
-        self.redis = aioredis.Redis.from_url(url, max_connections=max_connections)
+        # Each streaming handle holds a connection while it blocks on XREAD (at most 1 s):
+        # past `max_connections` handles wait for a free connection instead of failing.
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=None)
+        self.redis = aioredis.Redis(connection_pool=pool)
         self._admit = self.redis.register_script(_ADMIT_SCRIPT)
 
     async def submit(self, prompt: str | list[int] | tuple[int, ...], **options: Any) -> AsyncHandle:

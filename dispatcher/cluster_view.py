@@ -32,6 +32,7 @@ class InstanceView:
     health: str = "joining"
     assigned_not_seen: dict[str, Request] = field(default_factory=dict)
     num_assigned_total: int = 0
+    batch_request_ids: set[str] = field(default_factory=set)  # batch work placed here, not finished
     replica: InstanceReplica | None = None
     replica_synced_seq: int = -1     # seq of the beat the replica was last rebuilt from
     replica_synced_at_s: float = float("-inf")
@@ -103,13 +104,14 @@ class ClusterView:
 
     @staticmethod
     def _reconcile(view: InstanceView, beat: Heartbeat) -> None:
-        if not view.assigned_not_seen:
+        if not view.assigned_not_seen and not view.batch_request_ids:
             return
         seen = {r.request_id for r in beat.running}
         seen.update(r.request_id for r in beat.waiting)
         seen.update(beat.finished_ids)
         for request_id in seen & view.assigned_not_seen.keys():
             del view.assigned_not_seen[request_id]
+        view.batch_request_ids.difference_update(beat.finished_ids)
 
     def refresh_health(self, now_s: float) -> list[InstanceView]:
         """Update health from beat ages; returns the instances that just became ``dead``."""
@@ -126,6 +128,8 @@ class ClusterView:
         view = self.instances[instance_id]
         view.assigned_not_seen[request.id] = request
         view.num_assigned_total += 1
+        if request.priority == "batch":
+            view.batch_request_ids.add(request.id)
         if view.replica is None:
             return
         # The replica always holds what was assigned since its rebuild (the next rebuild

@@ -33,6 +33,7 @@ from blockq.protocol import (
 from blockq.streams import GroupConsumer, StreamEntry
 from dispatcher.cluster_view import ClusterView, InstanceView
 from dispatcher.policies import TRUE_LENGTH_POLICIES, Policy, make_policy
+from dispatcher.priority import eligible_candidates
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +76,7 @@ class Dispatcher:
         self._unplaced_ids: set[str] = set()
         self._last_beat_id = "0-0"
         self._queues_to_redispatch: dict[str, InstanceView] = {}
+        self._last_num_placed = 0
         self._renew_lease = client.register_script(_RENEW_LEASE)
         self.num_placed = 0
         self.decision_ms: deque[float] = deque(maxlen=10_000)
@@ -126,7 +128,9 @@ class Dispatcher:
                 del self._queues_to_redispatch[instance_id]
         entries: list[StreamEntry] = []
         if len(self.unplaced) < self.options.max_unplaced:
-            block_ms = self.options.block_ms if not self.unplaced else 1
+            # Requests in hand that could be placed: poll briefly. Only held (batch) work,
+            # or none: block, so that held work does not spin the loop.
+            block_ms = 1 if self.unplaced and self._last_num_placed else self.options.block_ms
             entries = await self.consumer.read(self.options.batch_size, block_ms)
         elif not self.view.live_instances():
             await asyncio.sleep(self.options.block_ms / 1000)
@@ -161,10 +165,15 @@ class Dispatcher:
                 self._unplaced_ids.add(entry.entry_id)
             except ValidationError as exc:
                 self.consumer.dead_letter(pipe, entry, str(exc))
-        candidates = self.view.live_instances()
+        live = self.view.live_instances()
         num_placed = 0
-        while self.unplaced and candidates:
+        held: deque[tuple[StreamEntry, Request]] = deque()
+        while self.unplaced and live:
             entry, request = self.unplaced.popleft()
+            candidates = eligible_candidates(request, live)
+            if not candidates:  # batch work waits for idle capacity; interactive work goes on
+                held.append((entry, request))
+                continue
             self._unplaced_ids.discard(entry.entry_id)
             try:
                 placed = self._assign(request, candidates)
@@ -174,6 +183,8 @@ class Dispatcher:
             pipe.xadd(self.keys.instance_queue(placed.assignment.instance_id), {PAYLOAD_FIELD: encode(placed)})
             self.consumer.ack(pipe, [entry.entry_id])
             num_placed += 1
+        self.unplaced.extendleft(reversed(held))
+        self._last_num_placed = num_placed
         if len(pipe):
             await pipe.execute()
         self.num_placed += num_placed

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.bench import BenchConfig, run_bench
-from loadgen.report import markdown_table, with_improvement_ratios, write_report
+from loadgen.bench import BenchConfig, load_requests, run_bench, run_one
+from loadgen.report import capacity_search, markdown_table, with_improvement_ratios, write_report
 
 SUMMARY_KEYS = ("policy", "rate", "requests", "completed", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
                 "tpot_mean_ms", "e2e_mean_ms", "e2e_p99_ms", "throughput_tokens_per_s", "goodput",
@@ -27,6 +27,11 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("mode", nargs="?", choices=["run", "capacity"], default="run",
+                        help="run: every policy at every rate; capacity: per policy, the highest rate "
+                             "meeting the SLO (binary search between the lowest and highest --rates)")
+    parser.add_argument("--capacity-tolerance", type=float, default=2.0, help="req/s: stop bisecting below this")
+    parser.add_argument("--capacity-iterations", type=int, default=3, help="bisection runs at most, per policy")
     parser.add_argument("--trace", default="synthetic", help="trace path (format detected) or 'synthetic'")
     parser.add_argument("--instances", type=int, default=12)
     parser.add_argument("--instances-per-process", type=int, default=6)
@@ -75,6 +80,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so each run's `finally` tears its cluster down.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     config = config_from_args(args)
+    if args.mode == "capacity":
+        return run_capacity_command(args, config)
     results, per_request, kv_samples = run_bench(config, on_progress=_progress_printer())
     files = write_report(config.out_dir, results, per_request=per_request, kv_samples=kv_samples)
     if args.json:
@@ -89,3 +96,36 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_arguments(parser)
     parser.set_defaults(instances=4, instances_per_process=4, policies=("round_robin", "least_requests", "block"),
                         rates=(6.0,), requests=300, out=Path("out/demo"))
+
+
+def run_capacity_command(args: argparse.Namespace, config: BenchConfig) -> int:
+    """Per policy: the highest rate whose P99 TTFT meets the SLO (valid runs only)."""
+    if len(config.rates) < 2:
+        raise SystemExit("bench capacity: give --rates LOW,HIGH (the search range)")
+    low, high = min(config.rates), max(config.rates)
+    requests = load_requests(config)
+    progress = _progress_printer()
+    capacities = []
+    all_runs: list[dict[str, Any]] = []
+    for policy in config.policies:
+        def run_at(rate: float, policy: str = policy) -> dict[str, Any]:
+            output = run_one(config, policy, rate, requests, lambda d, t: progress(f"{policy}@{rate:g}", d, t))
+            return output.summary
+
+        capacity, runs = capacity_search(run_at, low=low, high=high, slo_ttft_p99_ms=config.slo_ttft_ms,
+                                         tolerance=args.capacity_tolerance,
+                                         max_iterations=args.capacity_iterations)
+        capacities.append({"policy": policy, "capacity_rps": capacity, "slo_ttft_p99_ms": config.slo_ttft_ms,
+                           "runs": [{k: r.get(k) for k in ("rate", "ttft_p99_ms", "valid")} for r in runs]})
+        all_runs.extend(runs)
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    (config.out_dir / "capacity.json").write_text(json.dumps({"capacities": capacities, "runs": all_runs},
+                                                             indent=2, default=str))
+    if args.json:
+        sys.stdout.write(json.dumps(capacities, indent=2) + "\n")
+    else:
+        sys.stdout.write("| policy | capacity req/s (P99 TTFT <= SLO) | runs (rate: P99 TTFT ms) |\n|---|---|---|\n")
+        for item in capacities:
+            runs_text = ", ".join(f"{r['rate']:g}: {r['ttft_p99_ms'] or 0:.0f}" for r in item["runs"])
+            sys.stdout.write(f"| {item['policy']} | {item['capacity_rps']:g} | {runs_text} |\n")
+    return 0

@@ -103,7 +103,8 @@ def test_thousand_line_job_survives_a_killed_worker(cluster: dict[str, Any], wor
                                                     tmp_path: Path) -> None:
     input_path = write_input(tmp_path / "in.jsonl", 1000)
     first = start_worker(cluster, workers)
-    job_id = submit(cluster, input_path, tmp_path / "out.jsonl", "--max-rate", "250")
+    # 100 lines/s: ten seconds of work, so the kill lands mid-job even on a busy host.
+    job_id = submit(cluster, input_path, tmp_path / "out.jsonl", "--max-rate", "100")
 
     wait_until(lambda: status_of(cluster, job_id)["done"] >= 200, timeout_s=30)
     result = run_blockq("batch", "status", job_id, "--json", env=cluster["env"])

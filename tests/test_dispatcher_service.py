@@ -118,3 +118,39 @@ async def test_only_one_leader(settings: Settings) -> None:
     assert await waiting is False
     await first.client.aclose()
     await second.client.aclose()
+
+
+async def test_batch_is_background_work(settings: Settings, sync_redis: redis.Redis) -> None:
+    from blockq.protocol import RequestProgress
+
+    full = tuple(RequestProgress(f"r{i}", 10, 10, 1, 100, 200) for i in range(48))
+    publish_beat(sync_redis, settings, "busy", running=full)
+    publish_beat(sync_redis, settings, "idle")
+    dispatcher = await make_dispatcher(settings, policy="least_requests")
+    batch = [make_request(keys=settings.keys, predicted=50, priority="batch") for _ in range(3)]
+    for request in batch:
+        sync_redis.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(request)})
+    await dispatcher.step()
+    # Batch work only goes where there is idle capacity: "idle", never the full instance.
+    assert sorted(queue_ids(sync_redis, settings, "idle")) == sorted(r.id for r in batch)
+    # An interactive request is not queued behind that batch work while "busy" exists.
+    interactive = make_request(keys=settings.keys, predicted=50)
+    sync_redis.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(interactive)})
+    await dispatcher.step()
+    assert queue_ids(sync_redis, settings, "busy") == [interactive.id]
+    # With no idle capacity anywhere, batch work is held (un-ACKed), interactive work flows.
+    publish_beat(sync_redis, settings, "idle", seq=2, running=full)
+    publish_beat(sync_redis, settings, "busy", seq=2, running=full)
+    held = make_request(keys=settings.keys, predicted=50, priority="batch")
+    after = make_request(keys=settings.keys, predicted=50)
+    for request in (held, after):
+        sync_redis.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(request)})
+    for _ in range(3):
+        await dispatcher.step()
+    placed = queue_ids(sync_redis, settings, "idle") + queue_ids(sync_redis, settings, "busy")
+    assert after.id in placed and held.id not in placed
+    assert sync_redis.xpending(settings.keys.ready, GROUP_DISPATCH)["pending"] == 1
+    publish_beat(sync_redis, settings, "idle", seq=3)
+    await dispatcher.step()
+    assert held.id in queue_ids(sync_redis, settings, "idle")
+    await dispatcher.client.aclose()

@@ -143,7 +143,10 @@ class InstanceWorker:
         for (entry, request), is_cancelled in zip(decoded, cancelled, strict=True):
             self.stats.num_received += 1
             if request.id in self.in_flight:
-                continue  # a claimed duplicate of what is already running here
+                # A second entry for a request already running here (placed again after
+                # this instance looked dead): the running copy answers; drop this one.
+                self.consumer.ack(pipe, [entry.entry_id])
+                continue
             spec = _engine_spec(request)
             flight = InFlight(request=request, entry_id=entry.entry_id, received_at_s=now_wall_s,
                               prompt_tokens=spec.prompt_tokens)
