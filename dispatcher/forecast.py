@@ -62,10 +62,13 @@ class BaselineCache:
 def forecast(replica: InstanceReplica, request: EngineRequest, baseline: Baseline) -> Forecast:
     """Simulate ``request`` added to ``replica`` now, until every request finishes.
 
-    The run starts from the baseline's snapshot (exactly where it would diverge), with
-    the request's arrival at the replica's present."""
+    The run starts from the baseline's snapshot (exactly where it would diverge) or from
+    the present, whichever is later, with the request's arrival at the present."""
     now_s = replica.scheduler.now_s
-    scheduler = baseline.snapshot.clone()
+    # The snapshot was taken when the baseline was computed; once the replica has moved
+    # past it (the queue has drained since), the divergence point is now.
+    start = baseline.snapshot if baseline.snapshot.now_s >= now_s else replica.scheduler
+    scheduler = start.clone()
     request.arrival_s = now_s
     scheduler.add_request(request)
     simulation = scheduler.simulate()

@@ -79,3 +79,21 @@ def test_up_replay_status_down(cluster) -> None:  # noqa: ANN001
     port = int(state.redis_url.rsplit(":", 1)[1].split("/")[0])
     with socket.socket() as sock, pytest.raises(OSError):
         sock.connect(("127.0.0.1", port))
+
+
+def test_block_policy_end_to_end(tmp_path: Path) -> None:
+    """`blockq up --policy block`: requests complete and carry the dispatcher's forecast."""
+    env = {"BLOCKQ_STATE_DIR": str(tmp_path / "state"), "BLOCKQ_REDIS_URL": ""}
+    up = run_blockq("up", "--instances", "3", "--policy", "block", "--time-scale", "0.25", "--detach", env=env)
+    try:
+        assert up.returncode == 0, up.stderr + up.stdout
+        state = ClusterState.read(tmp_path / "state")
+        assert state is not None
+        results = asyncio.run(replay(state.redis_url, 60))
+    finally:
+        assert run_blockq("down", env=env).returncode == 0
+    finals = [final for _, final in results]
+    assert all(f.status == "ok" for f in finals)
+    assert all(f.predicted_ttft_ms is not None and f.predicted_e2e_ms is not None for f in finals)
+    assert all(0 <= f.predicted_ttft_ms <= f.predicted_e2e_ms for f in finals)
+    assert len({f.instance for f in finals}) == 3
