@@ -370,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_services(sub)
     _add_bench(sub)
     _add_bench_engine(sub)
+    _add_dispatch_bench(sub)
     _add_gateway_and_batch(sub)
     return parser
 
