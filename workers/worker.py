@@ -74,6 +74,8 @@ class InstanceWorker:
         self.stats = WorkerStats()
         self.draining = False
         self._work_arrived = asyncio.Event()
+        # Requests handed to the engine and not yet ACKed: at most one engine's worth.
+        self.max_in_flight = int(engine.engine_config().get("max_num_seqs") or 1)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -113,7 +115,8 @@ class InstanceWorker:
 
     async def _intake_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            room = min(self.options.bundle_size, self.engine.num_admittable())
+            room = min(self.options.bundle_size, self.engine.num_admittable(),
+                       self.max_in_flight - len(self.in_flight))
             if room <= 0:
                 await asyncio.sleep(self.options.idle_poll_ms / 1000 / 4)
                 continue
@@ -173,6 +176,7 @@ class InstanceWorker:
             flight = self.in_flight.get(request_id)
             if flight is not None:
                 flight.num_preemptions += 1
+        finished_ids: list[str] = []
         for event in output.events:
             flight = self.in_flight.get(event.request_id)
             if flight is None:
@@ -182,13 +186,18 @@ class InstanceWorker:
                 self.replies.flush(pipe, flight)
                 self.replies.finish(pipe, flight, status="ok", finish_reason=event.finish_reason or "stop")
                 self.consumer.ack(pipe, [flight.entry_id])
-                del self.in_flight[event.request_id]
-                self.beats.record_finished(event.request_id)
-                self.stats.num_finished += 1
+                finished_ids.append(event.request_id)
             elif event.is_first or flight.due_for_flush(now_wall_s, self.options.stream_interval_ms):
                 self.replies.flush(pipe, flight)
         if len(pipe):
             await pipe.execute()
+        # Finished requests leave `in_flight` only once their ACK is written: until then
+        # they still count against the bundle room, so the queue's pending entries never
+        # exceed what the engine holds.
+        for request_id in finished_ids:
+            self.in_flight.pop(request_id, None)
+            self.beats.record_finished(request_id)
+            self.stats.num_finished += 1
 
     # --- cancellation and heartbeats ----------------------------------------------------
 
