@@ -116,6 +116,14 @@ class ReplyReader:
         return fresh
 
 
+def _queue_cancel(pipe: Any, settings: Settings, request_id: str) -> None:
+    """Queue a cancel on ``pipe``: a flag (for workers that have not taken the request
+    yet) and a notice on the cancel stream (for the one running it)."""
+    keys = settings.keys
+    pipe.set(keys.cancel_flag(request_id), 1, ex=settings.reply_ttl_s)
+    pipe.xadd(keys.cancellations, {PAYLOAD_FIELD: request_id}, maxlen=10_000, approximate=True)
+
+
 def _deadline(timeout_s: float | None) -> float:
     return float("inf") if timeout_s is None else time.monotonic() + timeout_s
 
@@ -185,10 +193,8 @@ class Client:
 
     def cancel(self, request_id: str) -> None:
         """Ask the pipeline to stop a request; its final record says ``cancelled``."""
-        keys = self.settings.keys
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(keys.cancel_flag(request_id), 1, ex=self.settings.reply_ttl_s)
-        pipe.xadd(keys.cancellations, {PAYLOAD_FIELD: request_id}, maxlen=10_000, approximate=True)
+        _queue_cancel(pipe, self.settings, request_id)
         pipe.execute()
 
     def close(self) -> None:
@@ -259,10 +265,8 @@ class AsyncClient:
         return [AsyncHandle(self, r) for r in requests]
 
     async def cancel(self, request_id: str) -> None:
-        keys = self.settings.keys
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(keys.cancel_flag(request_id), 1, ex=self.settings.reply_ttl_s)
-        pipe.xadd(keys.cancellations, {PAYLOAD_FIELD: request_id}, maxlen=10_000, approximate=True)
+        _queue_cancel(pipe, self.settings, request_id)
         await pipe.execute()
 
     async def close(self) -> None:
