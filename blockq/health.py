@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-HEALTH_STATES = ("joining", "live", "suspect", "dead", "draining", "stopped")
-
 
 @dataclass(frozen=True)
 class HealthPolicy:

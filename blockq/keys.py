@@ -88,3 +88,36 @@ class Keys:
     def instance_queue_pattern(self) -> str:
         """SCAN pattern matching every instance queue."""
         return f"{self.prefix}inst:*"
+
+
+@dataclass(frozen=True)
+class BatchKeys:
+    """Batch jobs' keys. rq keeps its own (``rq:job:{id}``, ``rq:queue:{name}``); these sit
+    under the cluster prefix with the job id as hash tag, so a job's keys share a slot."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def queue_name(self) -> str:
+        """The rq queue batch jobs are enqueued on (rq key ``rq:queue:{prefix}batch``)."""
+        return f"{self.prefix}batch"
+
+    def results(self, job_id: str) -> str:
+        """Hash: custom_id -> the finished line of the output file (JSON)."""
+        return f"{self.prefix}batch:{{{job_id}}}:results"
+
+    def errors(self, job_id: str) -> str:
+        """Hash: input line number -> the line of the errors file (JSON)."""
+        return f"{self.prefix}batch:{{{job_id}}}:errors"
+
+    def lease(self, job_id: str) -> str:
+        """String with a TTL, held by the process running the job; gone = abandoned."""
+        return f"{self.prefix}batch:{{{job_id}}}:lease"
+
+    def cancel_flag(self, job_id: str) -> str:
+        """Set by ``blockq batch cancel``; the running job stops when it sees it."""
+        return f"{self.prefix}batch:{{{job_id}}}:cancel"
+
+    def recovery_lock(self, job_id: str) -> str:
+        """Short lock so that only one worker re-enqueues an abandoned job."""
+        return f"{self.prefix}batch:{{{job_id}}}:recover"

@@ -13,10 +13,6 @@ from typing import Any
 from loadgen.bench import BenchConfig, load_requests, run_bench, run_one
 from loadgen.report import capacity_search, markdown_table, with_improvement_ratios, write_report
 
-SUMMARY_KEYS = ("policy", "rate", "requests", "completed", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
-                "tpot_mean_ms", "e2e_mean_ms", "e2e_p99_ms", "throughput_tokens_per_s", "goodput",
-                "lag_p99_ms", "valid")
-
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x)

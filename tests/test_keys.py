@@ -30,3 +30,15 @@ def test_custom_prefix() -> None:
 def test_bad_prefix_names_the_setting(prefix: str) -> None:
     with pytest.raises(ValueError, match="key_prefix"):
         Keys(prefix)
+
+
+def test_batch_key_names() -> None:
+    from blockq.keys import BatchKeys
+
+    keys = BatchKeys()
+    assert keys.queue_name == "bq:batch"
+    assert keys.results("j1") == "bq:batch:{j1}:results"
+    assert keys.errors("j1") == "bq:batch:{j1}:errors"
+    assert keys.lease("j1") == "bq:batch:{j1}:lease"
+    assert keys.cancel_flag("j1") == "bq:batch:{j1}:cancel"
+    assert keys.recovery_lock("j1") == "bq:batch:{j1}:recover"

@@ -134,7 +134,7 @@ def start_worker_process(settings: Settings, instance_id: str, log_path: Path,
         [sys.executable, "-m", "workers", "--instance-id", instance_id, "--time-scale", str(time_scale),
          "--noise", "0", "--bundle-size", "4"],
         env={**os.environ, "BLOCKQ_REDIS_URL": settings.redis_url, "BLOCKQ_CLAIM_IDLE_MS": "1000",
-             "BLOCKQ_LOG_LEVEL": "warning"},
+             "BLOCKQ_LOG_LEVEL": "info"},
         cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=log_path.open("ab"))
 
 
