@@ -74,6 +74,7 @@ class InstanceWorker:
         self.stats = WorkerStats()
         self.draining = False
         self._work_arrived = asyncio.Event()
+        self._stopping = False
         # Requests handed to the engine and not yet ACKed: at most one engine's worth.
         self.max_in_flight = int(engine.engine_config().get("max_num_seqs") or 1)
 
@@ -89,9 +90,10 @@ class InstanceWorker:
         try:
             await self._step_loop(stop)
         finally:
+            self._stopping = True  # loops also check it: a swallowed cancellation cannot keep one alive
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks, timeout=5.0)
             await self.publish_heartbeat("stopped")
             log.info("worker_stopped", instance=self.instance_id, finished=self.stats.num_finished)
 
@@ -114,7 +116,7 @@ class InstanceWorker:
     # --- intake -------------------------------------------------------------------------
 
     async def _intake_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+        while not stop.is_set() and not self._stopping:
             room = min(self.options.bundle_size, self.engine.num_admittable(),
                        self.max_in_flight - len(self.in_flight))
             if room <= 0:
@@ -224,7 +226,7 @@ class InstanceWorker:
 
     async def _heartbeat_loop(self) -> None:
         interval_s = self.settings.heartbeat_interval_ms / 1000
-        while True:
+        while not self._stopping:
             await self.publish_heartbeat("draining" if self.draining else "live")
             await asyncio.sleep(interval_s)
 
