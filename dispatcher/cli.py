@@ -11,7 +11,7 @@ from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import connect_async
 from dispatcher.forecast import OBJECTIVES
 from dispatcher.policies import POLICY_FACTORIES
-from dispatcher.service import DispatcherOptions, create_dispatcher
+from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for_decisions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
             client, settings, args.policy, seed=args.seed, objective=args.objective,
             dispatcher_id=args.dispatcher_id or f"dispatch-{socket.gethostname()}-{os.getpid()}",
             options=DispatcherOptions(batch_size=args.batch_size, dead_after_s=args.dead_after_s))
+        prepare_for_decisions(dispatcher.view)
         try:
             await dispatcher.run(stop)
         finally:

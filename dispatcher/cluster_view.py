@@ -34,7 +34,6 @@ class InstanceView:
     num_assigned_total: int = 0
     batch_request_ids: set[str] = field(default_factory=set)  # batch work placed here, not finished
     replica: InstanceReplica | None = None
-    replica_synced_seq: int = -1     # seq of the beat the replica was last rebuilt from
     replica_synced_at_s: float = float("-inf")
 
     @property
@@ -68,28 +67,29 @@ class ClusterView:
         self.instances: dict[str, InstanceView] = {}
         self.use_true_lengths = use_true_lengths
         self.resync_interval_s = resync_interval_s
+        # Set by policies that simulate: every instance then gets a replica, kept on the
+        # heartbeat path, from its first beat on.
+        self.keep_replicas = False
 
     def replica(self, view: InstanceView, now_wall_s: float) -> InstanceReplica:
-        """``view``'s scheduler replica at ``now_wall_s``.
-
-        It is rebuilt from the latest beat when that beat is newer than the last rebuild
-        and at least ``resync_interval_s`` has passed since (a rebuild invalidates every
-        cached forecast of the instance, so rebuilding on each 100 ms beat would cost more
-        than it corrects); otherwise it advances along its own trajectory, which already
-        includes every assignment made since its last rebuild."""
-        beat = view.heartbeat
+        """``view``'s scheduler replica, advanced to ``now_wall_s`` along its own trajectory
+        (which already includes every assignment made since its last rebuild); built from
+        the latest beat the first time it is asked for."""
         if view.replica is None:
-            view.replica = InstanceReplica(view.config, _latency_model(beat), use_truth=self.use_true_lengths)
-        if view.replica_synced_seq != beat.seq and now_wall_s - view.replica_synced_at_s >= self.resync_interval_s:
-            view.replica.sync(beat, view.assigned_not_seen.values(), now_wall_s)
-            view.replica_synced_seq = beat.seq
-            view.replica_synced_at_s = now_wall_s
+            self._create_replica(view, now_wall_s)
+            assert view.replica is not None
         else:
             view.replica.advance(now_wall_s)
         return view.replica
 
     def apply_heartbeat(self, beat: Heartbeat, now_s: float) -> InstanceView:
-        """Record ``beat``; stale or repeated beats (seq not newer) change nothing."""
+        """Record ``beat``; stale or repeated beats (seq not newer) change nothing.
+
+        An instance's replica (kept only for policies that simulate) is rebuilt from the
+        beat when at least ``resync_interval_s`` has passed since its last rebuild: a
+        rebuild invalidates the instance's cached future, so rebuilding on each 100 ms
+        beat would cost more than it corrects. The rebuild happens here, on the heartbeat
+        path, so that placement decisions do not pay for it."""
         view = self.instances.get(beat.instance_id)
         if view is None:
             view = InstanceView(beat.instance_id, beat, now_s)
@@ -100,7 +100,22 @@ class ClusterView:
         view.last_beat_at_s = now_s
         view.health = beat.state
         self._reconcile(view, beat)
+        if view.replica is None:
+            if self.keep_replicas and beat.state == "live":
+                self._create_replica(view, now_s)
+        elif now_s - view.replica_synced_at_s >= self.resync_interval_s:
+            self._rebuild(view, now_s)
         return view
+
+    def _create_replica(self, view: InstanceView, now_wall_s: float) -> None:
+        view.replica = InstanceReplica(view.config, _latency_model(view.heartbeat), use_truth=self.use_true_lengths)
+        self._rebuild(view, now_wall_s)
+
+    def _rebuild(self, view: InstanceView, now_wall_s: float) -> None:
+        assert view.replica is not None
+        view.replica.sync(view.heartbeat, view.assigned_not_seen.values(), now_wall_s)
+        view.replica_synced_at_s = now_wall_s
+        view.replica.baseline()  # the next decision reads it
 
     @staticmethod
     def _reconcile(view: InstanceView, beat: Heartbeat) -> None:

@@ -1,11 +1,11 @@
 """What-if simulation: how a request would fare on an instance, and what it would cost
-the requests already there. Pure; drives the engine model's own scheduler."""
+the requests already there. Pure; runs the engine model's packed scheduler."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockq.engine_model import EngineRequest, EngineScheduler
+from blockq.engine_model.packed_kernel import delay_against
 from dispatcher.replica import InstanceReplica
 
 OBJECTIVES = ("e2e", "ttft", "max_latency")
@@ -31,56 +31,28 @@ class Forecast:
         return self.max_latency_s
 
 
-@dataclass(frozen=True)
-class Baseline:
-    """One replica's future without the new request: the snapshot where a request
-    appended now would first be looked at (:meth:`EngineScheduler.queue_drain_snapshot`;
-    every what-if run is identical to the baseline up to there), and the finish time of
-    every request still unfinished at that point."""
-
-    snapshot: EngineScheduler
-    finish_s: dict[str, float]
-
-
-class BaselineCache:
-    """Baselines, simulated once per replica version (a replica advancing along its own
-    deterministic trajectory keeps its version, and its future)."""
-
-    def __init__(self) -> None:
-        self._by_replica: dict[int, tuple[int, Baseline]] = {}
-
-    def baseline(self, replica: InstanceReplica) -> Baseline:
-        cached = self._by_replica.get(id(replica))
-        if cached is not None and cached[0] == replica.version:
-            return cached[1]
-        snapshot = replica.scheduler.queue_drain_snapshot()
-        baseline = Baseline(snapshot, snapshot.clone().simulate().finished_at_s)
-        self._by_replica[id(replica)] = (replica.version, baseline)
-        return baseline
-
-
-def forecast(replica: InstanceReplica, request: EngineRequest, baseline: Baseline) -> Forecast:
-    """Simulate ``request`` added to ``replica`` now, until every request finishes.
+def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int,
+             output_tokens: int) -> Forecast:
+    """Simulate a request of this size added to ``replica`` now, until every request
+    there finishes.
 
     The run starts from the baseline's snapshot (exactly where it would diverge) or from
     the present, whichever is later, with the request's arrival at the present."""
+    baseline = replica.baseline()
     now_s = replica.scheduler.now_s
-    # The snapshot was taken when the baseline was computed; once the replica has moved
-    # past it (the queue has drained since), the divergence point is now.
+    # Once the replica has moved past the snapshot (the queue drained since), the
+    # divergence point is now.
     start = baseline.snapshot if baseline.snapshot.now_s >= now_s else replica.scheduler
     scheduler = start.clone()
-    request.arrival_s = now_s
-    scheduler.add_request(request)
-    simulation = scheduler.simulate()
-    baseline_finish_s = baseline.finish_s
-    finished = simulation.finished_at_s
-    new_finish_s = finished[request.request_id]
-    added_delay_s = 0.0
-    for request_id, finish_s in finished.items():
-        before_s = baseline_finish_s.get(request_id)
-        if before_s is not None and finish_s > before_s:
-            added_delay_s += finish_s - before_s
+    num_rows = scheduler.num_rows
+    num_preemptions_before = scheduler.num_preemptions
+    row = scheduler.add_request(request_id, prompt_tokens, output_tokens, arrival_s=now_s)
+    scheduler.simulate()
+    added_delay_s, latest_s = delay_against(baseline.finished_at_s, scheduler.times, num_rows + 1)
+    finished_s = scheduler.finished_at_s(row)
+    assert finished_s is not None  # a run to the end finishes every request
+    first_token_s = scheduler.first_token_at_s(row)
     return Forecast(
-        ttft_s=simulation.first_token_at_s.get(request.request_id, new_finish_s) - now_s,
-        e2e_s=new_finish_s - now_s, added_delay_s=added_delay_s,
-        max_latency_s=max(finished.values()) - now_s, num_preemptions=simulation.num_preemptions)
+        ttft_s=(finished_s if first_token_s is None else first_token_s) - now_s, e2e_s=finished_s - now_s,
+        added_delay_s=added_delay_s, max_latency_s=latest_s - now_s,
+        num_preemptions=scheduler.num_preemptions - num_preemptions_before)

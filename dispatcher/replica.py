@@ -10,12 +10,19 @@ it at once, so that the next decision sees it.
 
 The latency model starts from the one the instance publishes and is refitted online from
 the step timings in its beats, so the replica follows the real hardware.
+
+The replica's state is a :class:`PackedScheduler` (the engine model's compiled twin):
+advancing it, cloning it and simulating its future are what every decision pays for.
+Its :class:`Baseline` (the future without a new request) is kept per version.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
 
 from blockq.engine_model import (
     EngineConfig,
@@ -24,12 +31,25 @@ from blockq.engine_model import (
     StepLatencyModel,
     StepSample,
 )
+from blockq.engine_model.packed import PackedScheduler
+from blockq.engine_model.packed_kernel import FINISHED
 from blockq.protocol import Heartbeat, Request, RequestProgress
 from dispatcher.lengths import LengthBelief, belief_from_prediction
 
 REFIT_EVERY_BEATS = 50
 MAX_REFIT_SAMPLES = 2000
 MAX_BELIEFS = 20_000
+SPARE_ROWS = 32  # room for the assignments expected before the next rebuild
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One replica's future without a new request: the snapshot where a request appended
+    now would first be looked at (:meth:`PackedScheduler.queue_drain_snapshot`; every
+    what-if run equals the baseline up to there), and when each row finishes from there."""
+
+    snapshot: PackedScheduler
+    finished_at_s: np.ndarray   # by row; NaN for rows that never finish in the run
 
 
 def belief_of(request: Request) -> LengthBelief:
@@ -54,12 +74,13 @@ class InstanceReplica:
         self.config = config
         self.latency_model = latency_model
         self.use_truth = use_truth
-        self.scheduler = EngineScheduler(config, latency_model)
+        self.scheduler = PackedScheduler(config, latency_model)
         self.beliefs: dict[str, LengthBelief] = {}
         self._samples: deque[StepSample] = deque(maxlen=MAX_REFIT_SAMPLES)
         self._num_beats = 0
         self._beat: Heartbeat | None = None
         self.version = 0          # bumped on every change that invalidates cached forecasts
+        self._baseline: tuple[int, Baseline] | None = None
 
     # --- model time ---------------------------------------------------------------------
 
@@ -76,11 +97,12 @@ class InstanceReplica:
         """Rebuild from ``beat``, advance to now, add the assignments the beat lacks."""
         self._observe_samples(beat)
         self._beat = beat
-        scheduler = EngineScheduler(self.config, self.latency_model, now_s=beat.engine_time_s)
-        scheduler.restore(self._engine_requests(beat.running), self._engine_requests(beat.waiting))
+        restored = EngineScheduler(self.config, self.latency_model, now_s=beat.engine_time_s)
+        restored.restore(self._engine_requests(beat.running), self._engine_requests(beat.waiting))
+        scheduler = PackedScheduler.from_scheduler(restored, spare_rows=SPARE_ROWS)
         scheduler.simulate(until_s=self.model_time_s(now_wall_s))
         for request in assigned_not_seen:
-            scheduler.add_request(self.engine_request(request, arrival_s=scheduler.now_s))
+            scheduler.add_request(request.id, *self.request_size(request))
         self.scheduler = scheduler
         self._forget_finished(beat.finished_ids)
         self.version += 1
@@ -98,15 +120,28 @@ class InstanceReplica:
     def add_assignment(self, request: Request) -> None:
         """Record a request just placed here, so the next decision sees it."""
         self.remember(request)
-        self.scheduler.add_request(self.engine_request(request, arrival_s=self.scheduler.now_s))
+        self.scheduler.add_request(request.id, *self.request_size(request))
         self.version += 1
 
-    def engine_request(self, request: Request, *, arrival_s: float, use_truth: bool | None = None) -> EngineRequest:
+    def request_size(self, request: Request, *, use_truth: bool | None = None) -> tuple[int, int]:
+        """(prompt tokens, output tokens to simulate) for a new request on this instance."""
         belief = self.beliefs.get(request.id) or belief_of(request)
         truth = self.use_truth if use_truth is None else use_truth
         prompt_tokens = min(prompt_tokens_of(request), self.config.max_model_len - 1)
-        return EngineRequest(request_id=request.id, prompt_tokens=prompt_tokens,
-                             output_target_tokens=belief.remaining_target(0, use_truth=truth), arrival_s=arrival_s)
+        return prompt_tokens, belief.remaining_target(0, use_truth=truth)
+
+    def baseline(self) -> Baseline:
+        """The replica's future without a new request, simulated once per version (a
+        replica advancing along its own deterministic trajectory keeps its future)."""
+        cached = self._baseline
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
+        snapshot = self.scheduler.queue_drain_snapshot()
+        future = snapshot.clone()
+        future.simulate()
+        baseline = Baseline(snapshot, future.times[:, FINISHED].copy())
+        self._baseline = (self.version, baseline)
+        return baseline
 
     # --- helpers ------------------------------------------------------------------------
 

@@ -112,6 +112,17 @@ class StepLatencyModel:
 
     # --- evaluation -----------------------------------------------------------------------
 
+    @property
+    def linear_table_s(self) -> list[float]:
+        """The dense linear-layer table: seconds for 0 .. last knot tokens (read-only)."""
+        return self._linear_table_s
+
+    @property
+    def tail_slope_s(self) -> float:
+        """Seconds per token above the last knot."""
+        return self._tail_slope_s
+
+
     def linear_seconds(self, num_tokens: int) -> float:
         """Unscaled linear-layer seconds for a step of ``num_tokens`` tokens (>= 0)."""
         table = self._linear_table_s

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from blockq.protocol import Request
 from dispatcher.cluster_view import ClusterView, InstanceView
-from dispatcher.forecast import OBJECTIVES, BaselineCache, Forecast, forecast
+from dispatcher.forecast import OBJECTIVES, Forecast, forecast
 from dispatcher.policies.base import Decision
 
 
@@ -25,15 +25,13 @@ class Block:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective: must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
         self.view = view
+        view.keep_replicas = True
         self.rng = rng
         self.objective = objective
-        self.baselines = BaselineCache()
 
     def forecast(self, request: Request, candidate: InstanceView, now_s: float) -> Forecast:
         replica = self.view.replica(candidate, now_s)
-        baseline = self.baselines.baseline(replica)
-        engine_request = replica.engine_request(request, arrival_s=replica.scheduler.now_s, use_truth=self.use_truth)
-        return forecast(replica, engine_request, baseline)
+        return forecast(replica, request.id, *replica.request_size(request, use_truth=self.use_truth))
 
     def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
         return self._best(request, candidates, now_s)
