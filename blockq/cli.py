@@ -349,13 +349,13 @@ def _placements_on_redis(args: argparse.Namespace, policies: list[str], run_plac
     from blockq.embedded_redis import start_embedded_redis
 
     if args.redis_url != "embedded":
-        return [run_placements(args.redis_url, policy=p, instances=args.instances, requests=args.requests,
-                               seed=args.seed) for p in policies]
+        return [run_placements(args.redis_url, policy=p, instances=args.instances, running=args.running,
+                               waiting=args.waiting, requests=args.requests, seed=args.seed) for p in policies]
     with tempfile.TemporaryDirectory(prefix="blockq-dispatch-bench-") as tmp:
         server = start_embedded_redis(Path(tmp))
         try:
-            return [run_placements(server.url, policy=p, instances=args.instances, requests=args.requests,
-                                   seed=args.seed) for p in policies]
+            return [run_placements(server.url, policy=p, instances=args.instances, running=args.running,
+                                   waiting=args.waiting, requests=args.requests, seed=args.seed) for p in policies]
         finally:
             server.stop()
 

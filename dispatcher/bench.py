@@ -10,8 +10,10 @@ time spent applying heartbeats (which is where replicas are rebuilt). Start-up w
 done before the clock starts, as the dispatcher does it (:func:`prepare_for_decisions`).
 
 Redis mode (``--redis``): a real :class:`Dispatcher` against Redis, ``ready`` pre-filled
-with annotated requests, heartbeats for every instance; reports placements/s from
-``ready`` to the instance queues.
+with annotated requests; reports placements/s from ``ready`` to the instance queues. The
+instances are in a steady state: every 100 ms each one beats the same load (``--running``
+/ ``--waiting``) and reports as finished what was placed on it since its last beat (read
+back from its queue), as a fleet that keeps pace with its arrivals would.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 from blockq.config import Settings
 from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
 from blockq.keys import PAYLOAD_FIELD, Keys
-from blockq.protocol import Heartbeat, Prediction, Request, RequestProgress, encode
+from blockq.protocol import Heartbeat, Prediction, Request, RequestProgress, decode_request, encode
 from blockq.streams import connect_async
 from dispatcher.cluster_view import ClusterView
 from dispatcher.policies import TRUE_LENGTH_POLICIES, make_policy
@@ -64,7 +66,7 @@ def loaded_scheduler(rng: random.Random, preset: str, num_running: int, num_wait
 
 
 def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at_s: float,
-                 preset: str) -> Heartbeat:
+                 preset: str, finished_ids: tuple[str, ...] = ()) -> Heartbeat:
     def progress(request: EngineRequest) -> RequestProgress:
         return RequestProgress(request.request_id, request.prompt_tokens, request.num_computed_tokens,
                                request.num_generated_tokens, request.output_target_tokens,
@@ -76,7 +78,8 @@ def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at
                      num_used_blocks=scheduler.num_used_blocks,
                      running=tuple(progress(r) for r in scheduler.running),
                      waiting=tuple(progress(r) for r in scheduler.waiting),
-                     num_running_total=len(scheduler.running), num_waiting_total=len(scheduler.waiting))
+                     num_running_total=len(scheduler.running), num_waiting_total=len(scheduler.waiting),
+                     finished_ids=finished_ids)
 
 
 def bench_decisions(*, policy: str = "block", instances: int = 16, running: int = 48, waiting: int = 20,
@@ -130,7 +133,8 @@ def bench_decisions(*, policy: str = "block", instances: int = 16, running: int 
 
 
 async def bench_placements(redis_url: str, *, policy: str = "round_robin", instances: int = 16,
-                           requests: int = 10_000, seed: int = 0) -> dict[str, Any]:
+                           running: int = 48, waiting: int = 20, requests: int = 10_000,
+                           seed: int = 0) -> dict[str, Any]:
     """Sustained placements/s of a real dispatcher from ``ready`` to instance queues."""
     settings = Settings(redis_url=redis_url, key_prefix=f"bench{uuid.uuid4().hex[:6]}:", log_level="warning")
     keys = settings.keys
@@ -139,17 +143,31 @@ async def bench_placements(redis_url: str, *, policy: str = "round_robin", insta
     dispatcher = create_dispatcher(client, settings, policy, dispatcher_id="bench", seed=seed,
                                    options=DispatcherOptions(batch_size=256, dead_after_s=3600))
     await dispatcher.consumer.ensure_group()
-    engines = [loaded_scheduler(rng, "llama2-7b-a30", 8, 0) for _ in range(instances)]
+    preset = "llama2-7b-a30"
+    engines = {f"i{k}": loaded_scheduler(rng, preset, running, waiting) for k in range(instances)}
+    queue_positions = {keys.instance_queue(instance_id): "0-0" for instance_id in engines}
+    instance_of_queue = {keys.instance_queue(instance_id): instance_id for instance_id in engines}
+    clock_started = time.perf_counter()
 
     async def publish_beats(seq: int) -> None:
-        # Instances that stop beating turn suspect within 250 ms: keep them live.
+        # What was placed since the last beat is reported finished, and the load stays
+        # the same: the steady state of a fleet that keeps pace with its arrivals.
+        placed = await client.xread(queue_positions) if seq > 1 else []
+        finished: dict[str, list[str]] = {instance_id: [] for instance_id in engines}
+        for stream, entries in placed:
+            queue = stream.decode()
+            queue_positions[queue] = entries[-1][0].decode()
+            finished[instance_of_queue[queue]].extend(decode_request(f[PAYLOAD_FIELD.encode()]).id for _, f in entries)
         beat_pipe = client.pipeline(transaction=False)
-        for k, engine in enumerate(engines):
-            beat = heartbeat_of(f"i{k}", engine, seq, time.time(), "llama2-7b-a30")
+        for instance_id, engine in engines.items():
+            engine.now_s = time.perf_counter() - clock_started
+            beat = heartbeat_of(instance_id, engine, seq, time.time(), preset, tuple(finished[instance_id]))
             beat_pipe.xadd(keys.heartbeats, {PAYLOAD_FIELD: encode(beat)})
         await beat_pipe.execute()
 
     await publish_beats(1)
+    await dispatcher.follow_heartbeats()
+    prepare_for_decisions(dispatcher.view)
     pipe = client.pipeline(transaction=False)
     for _ in range(requests):
         pipe.xadd(keys.ready, {PAYLOAD_FIELD: encode(make_request(rng, keys))})
@@ -164,13 +182,16 @@ async def bench_placements(redis_url: str, *, policy: str = "round_robin", insta
             await publish_beats(seq)
             next_beat_at += HEARTBEAT_INTERVAL_S
     elapsed_s = time.perf_counter() - started
-    placed = sum([await client.xlen(keys.instance_queue(f"i{k}")) for k in range(instances)])
+    placed = sum([await client.xlen(queue) for queue in queue_positions])
     keys_to_delete = [key async for key in client.scan_iter(match=f"{keys.prefix}*")]
     if keys_to_delete:
         await client.delete(*keys_to_delete)
     await client.aclose()
+    decision_ms = np.array(dispatcher.decision_ms or [0.0])
     return {"policy": policy, "instances": instances, "requests": requests, "placed": placed,
-            "seconds": elapsed_s, "placements_per_s": requests / elapsed_s}
+            "seconds": elapsed_s, "placements_per_s": requests / elapsed_s,
+            "decision_p50_ms": float(np.percentile(decision_ms, 50)),
+            "decision_p99_ms": float(np.percentile(decision_ms, 99))}
 
 
 def run_placements(redis_url: str, **kwargs: Any) -> dict[str, Any]:

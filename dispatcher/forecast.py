@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockq.engine_model.packed_kernel import delay_against
-from dispatcher.replica import InstanceReplica
+from dispatcher.replica import InstanceReplica, WhatIf
 
 OBJECTIVES = ("e2e", "ttft", "max_latency")
 
@@ -31,28 +30,22 @@ class Forecast:
         return self.max_latency_s
 
 
-def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int,
-             output_tokens: int) -> Forecast:
+def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, output_tokens: int) -> Forecast:
     """Simulate a request of this size added to ``replica`` now, until every request
     there finishes.
 
     The run starts from the baseline's snapshot (exactly where it would diverge) or from
-    the present, whichever is later, with the request's arrival at the present."""
+    the present, whichever is later, with the request's arrival at the present. The run
+    is handed to the replica: if the request is then placed there, it is the replica's
+    new baseline (:meth:`InstanceReplica.add_assignment`)."""
     baseline = replica.baseline()
     now_s = replica.scheduler.now_s
     # Once the replica has moved past the snapshot (the queue drained since), the
     # divergence point is now.
     start = baseline.snapshot if baseline.snapshot.now_s >= now_s else replica.scheduler
-    scheduler = start.clone()
-    num_rows = scheduler.num_rows
-    num_preemptions_before = scheduler.num_preemptions
-    row = scheduler.add_request(request_id, prompt_tokens, output_tokens, arrival_s=now_s)
-    scheduler.simulate()
-    added_delay_s, latest_s = delay_against(baseline.finished_at_s, scheduler.times, num_rows + 1)
-    finished_s = scheduler.finished_at_s(row)
-    assert finished_s is not None  # a run to the end finishes every request
-    first_token_s = scheduler.first_token_at_s(row)
-    return Forecast(
-        ttft_s=(finished_s if first_token_s is None else first_token_s) - now_s, e2e_s=finished_s - now_s,
-        added_delay_s=added_delay_s, max_latency_s=latest_s - now_s,
-        num_preemptions=scheduler.num_preemptions - num_preemptions_before)
+    ttft_s, e2e_s, added_delay_s, max_latency_s, num_preemptions, finished_at_s = start.what_if(
+        prompt_tokens, output_tokens, now_s, baseline.finished_at_s)
+    replica.keep_what_if(WhatIf(replica.version, request_id, (prompt_tokens, output_tokens), start, now_s,
+                                finished_at_s))
+    return Forecast(ttft_s=ttft_s, e2e_s=e2e_s, added_delay_s=added_delay_s,
+                    max_latency_s=max_latency_s, num_preemptions=num_preemptions)

@@ -21,6 +21,8 @@ BATCH_MIN_FREE_KV_FRACTION = 0.2
 
 def has_waiting_batch(view: InstanceView) -> bool:
     """Whether a batch request placed here has not started running yet."""
+    if not view.batch_request_ids:  # every batch request placed here and not finished is in it
+        return False
     if any(r.priority == "batch" for r in view.assigned_not_seen.values()):
         return True
     return any(w.request_id in view.batch_request_ids for w in view.heartbeat.waiting)

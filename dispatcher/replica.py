@@ -52,6 +52,20 @@ class Baseline:
     finished_at_s: np.ndarray   # by row; NaN for rows that never finish in the run
 
 
+@dataclass(frozen=True)
+class WhatIf:
+    """A what-if run made on a replica at ``version``: a request of ``size`` (prompt,
+    output tokens) appended at ``arrival_s`` to ``start`` (the baseline's snapshot or the
+    replica's state), and when every row finished."""
+
+    version: int
+    request_id: str
+    size: tuple[int, int]
+    start: PackedScheduler
+    arrival_s: float
+    finished_at_s: np.ndarray
+
+
 def belief_of(request: Request) -> LengthBelief:
     """The length belief carried by a request (its prediction, and truth when replayed)."""
     prediction = request.prediction
@@ -81,6 +95,7 @@ class InstanceReplica:
         self._beat: Heartbeat | None = None
         self.version = 0          # bumped on every change that invalidates cached forecasts
         self._baseline: tuple[int, Baseline] | None = None
+        self._what_if: WhatIf | None = None
 
     # --- model time ---------------------------------------------------------------------
 
@@ -118,10 +133,31 @@ class InstanceReplica:
             self.beliefs.pop(next(iter(self.beliefs)))
 
     def add_assignment(self, request: Request) -> None:
-        """Record a request just placed here, so the next decision sees it."""
+        """Record a request just placed here, so the next decision sees it.
+
+        When the last what-if run here was for this very request, that run is the new
+        baseline: the same steps from the same state. Its start, with the request
+        appended, is a valid snapshot: the request is looked at only after everything
+        that was queued ahead of it."""
         self.remember(request)
-        self.scheduler.add_request(request.id, *self.request_size(request))
+        size = self.request_size(request)
+        what_if, self._what_if = self._what_if, None
+        self.scheduler.add_request(request.id, *size)
         self.version += 1
+        if what_if is None or what_if.version != self.version - 1 or what_if.request_id != request.id \
+                or what_if.size != size:
+            return
+        if what_if.start is self.scheduler:
+            start = self.scheduler  # the request is already appended to it
+        else:
+            start = what_if.start.clone()
+            start.add_request(request.id, *size, arrival_s=what_if.arrival_s)
+        # From there, only the few steps up to the new request's admission remain to skip.
+        self._baseline = (self.version, Baseline(start.queue_drain_snapshot(), what_if.finished_at_s))
+
+    def keep_what_if(self, what_if: WhatIf) -> None:
+        """Remember the latest what-if run (see :meth:`add_assignment`)."""
+        self._what_if = what_if
 
     def request_size(self, request: Request, *, use_truth: bool | None = None) -> tuple[int, int]:
         """(prompt tokens, output tokens to simulate) for a new request on this instance."""

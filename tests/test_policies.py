@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
+from blockq.engine_model.packed_kernel import FINISHED
 from blockq.protocol import RequestProgress
 from dispatcher.cluster_view import ClusterView
 from dispatcher.policies import POLICY_FACTORIES, make_policy
@@ -151,3 +153,11 @@ def test_forecasts_match_a_plain_simulation_as_time_moves() -> None:
             assert 0 <= fast.ttft_s <= fast.e2e_s
         decision = policy.choose(request, view.live_instances(), now_s)
         view.record_assignment(decision.instance_id, request)
+        # The chosen candidate's what-if run became that replica's baseline: it must be
+        # the future a fresh simulation of the new state gives.
+        chosen = view.replica(view.instances[decision.instance_id], now_s)
+        reused = chosen.baseline()
+        fresh = chosen.scheduler.queue_drain_snapshot()
+        fresh.simulate()
+        num_rows = chosen.scheduler.num_rows
+        assert np.array_equal(reused.finished_at_s[:num_rows], fresh.times[:num_rows, FINISHED], equal_nan=True)

@@ -184,6 +184,19 @@ class PackedScheduler:
             other._config_array, other._latency_array, other._linear_table_s)
         return other
 
+    def what_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float,
+                baseline_finished_at_s: np.ndarray) -> tuple[float, float, float, float, int, np.ndarray]:
+        """:func:`.packed_kernel.what_if` on this state (unchanged): a request of this size
+        appended and everything simulated to the end, in one compiled call.
+        ``baseline_finished_at_s`` must cover every current row."""
+        if len(baseline_finished_at_s) < self.num_rows:
+            raise ValueError("baseline_finished_at_s: must have a time for every row")
+        output_tokens = min(output_tokens, self.config.max_model_len - prompt_tokens)
+        return kernel.what_if(
+            self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
+            self._config_array, self._latency_array, self._linear_table_s,
+            prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s)
+
     # --- helpers --------------------------------------------------------------------------
 
     def _write_row(self, row: int, request: EngineRequest) -> None:
@@ -217,8 +230,9 @@ def warm_up() -> None:
         scheduler.add_request(f"warm-up-{index}", 40, 20)
     scheduler.queue_drain_snapshot()
     scheduler.simulate(until_s=0.05)
-    scheduler.clone().simulate()
-    kernel.delay_against(scheduler.times[:, kernel.FINISHED].copy(), scheduler.times, scheduler.num_rows)
+    future = scheduler.clone()
+    future.simulate()
+    scheduler.what_if(40, 20, scheduler.now_s, future.times[:, kernel.FINISHED].copy())
 
 
 @lru_cache(maxsize=256)

@@ -236,24 +236,39 @@ def step(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: 
 
 
 @njit(cache=True)
-def _decode_span(requests: np.ndarray, running: np.ndarray, waiting: np.ndarray,
+def _admits_next(requests: np.ndarray, waiting: np.ndarray, counters: np.ndarray, config: np.ndarray,
+                 num_running: int, num_free_blocks: int, num_new_blocks: int) -> bool:
+    """Whether the next step's phase 3 would admit the waiting head, given the running
+    rows (all decoding) and the blocks their decodes take in that step."""
+    budget = config[MAX_NUM_BATCHED_TOKENS] - num_running
+    if counters[NUM_WAITING] == 0 or budget <= 0 or num_running >= config[MAX_NUM_SEQS]:
+        return False
+    head = waiting[counters[WAITING_HEAD]]
+    num_needed = _ceil_div(min(requests[head, PROMPT] + requests[head, GENERATED], budget), config[BLOCK_SIZE])
+    return num_free_blocks - num_new_blocks - num_needed >= config[WATERMARK_BLOCKS]
+
+
+@njit(cache=True)
+def _decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
                  counters: np.ndarray, clock: np.ndarray, config: np.ndarray,
                  latency: np.ndarray, linear_table_s: np.ndarray, until_s: float,
-                 max_num_steps: int, blocks_by_phase: np.ndarray) -> int:
+                 max_num_steps: int, stop_row: int, blocks_by_phase: np.ndarray,
+                 remaining: np.ndarray) -> int:
     """Run the decode-only steps ahead (0 if the next step is not one) and return how many.
 
     A span holds while every running row decodes, no step preempts and the waiting head
-    cannot be admitted; it stops before the first step that would finish a row (that step
-    runs through :func:`step`). Row ``r`` first needs a new block at span step
+    cannot be admitted. Rows finish inside it (in the step their target is reached, as
+    stepping finishes them); a finish frees blocks, so admission is checked again before
+    the next step. Row ``r`` first needs a new block at span step
     ``first_r = blocks * block_size - computed + 1`` (in ``1 .. block_size``), then every
     ``block_size`` steps, so ``blocks_by_phase[(j - 1) % block_size]`` counts the blocks
-    step ``j`` takes."""
+    step ``j`` takes. Step ``j`` reads ``sum(computed) + num_rows * j`` KV tokens over the
+    rows still running."""
     num_running = counters[NUM_RUNNING]
     if num_running == 0 or max_num_steps <= 0:
         return 0
     block_size = config[BLOCK_SIZE]
     blocks_by_phase[:block_size] = 0
-    num_steps_to_finish = 1 << 62
     num_kv_tokens = 0
     for k in range(num_running):
         row = running[k]
@@ -262,42 +277,70 @@ def _decode_span(requests: np.ndarray, running: np.ndarray, waiting: np.ndarray,
         if generated == 0 or computed + 1 != requests[row, PROMPT] + generated:
             return 0
         first_block_step = requests[row, BLOCKS] * block_size - computed + 1
-        if first_block_step < 1 or first_block_step > block_size:
+        remaining[k] = requests[row, TARGET] - generated
+        if first_block_step < 1 or first_block_step > block_size or remaining[k] < 1:
             return 0
         blocks_by_phase[first_block_step - 1] += 1
-        num_steps_to_finish = min(num_steps_to_finish, requests[row, TARGET] - generated)
         num_kv_tokens += computed
     num_free_blocks = counters[NUM_FREE_BLOCKS]
     if blocks_by_phase[0] > num_free_blocks:
         return 0  # the first step preempts
-    budget = config[MAX_NUM_BATCHED_TOKENS] - num_running
-    if counters[NUM_WAITING] > 0 and budget > 0 and num_running < config[MAX_NUM_SEQS]:
-        head = waiting[counters[WAITING_HEAD]]
-        num_needed = _ceil_div(min(requests[head, PROMPT] + requests[head, GENERATED], budget), block_size)
-        if num_free_blocks - blocks_by_phase[0] - num_needed >= config[WATERMARK_BLOCKS]:
-            return 0  # the first step admits
+    if _admits_next(requests, waiting, counters, config, num_running, num_free_blocks, blocks_by_phase[0]):
+        return 0  # the first step admits
+    finish_order = np.argsort(remaining[:num_running])
+    num_finished = 0
+    num_active = num_running
     num_steps = 0
     now_s = clock[0]
-    limit = min(num_steps_to_finish - 1, max_num_steps)
-    while num_steps < limit and now_s < until_s:
+    while num_steps < max_num_steps and now_s < until_s:
         num_new_blocks = blocks_by_phase[num_steps % block_size]
         if num_new_blocks > num_free_blocks:
-            break
+            break  # this step preempts: left to step()
         num_free_blocks -= num_new_blocks
         num_steps += 1
-        now_s = now_s + step_seconds(latency, linear_table_s, 0, num_running,
-                                     num_kv_tokens + num_running * num_steps, 0)
+        now_s = now_s + step_seconds(latency, linear_table_s, 0, num_active,
+                                     num_kv_tokens + num_active * num_steps, 0)
+        if remaining[finish_order[num_finished]] != num_steps:
+            continue
+        stopped = False
+        while num_finished < num_running and remaining[finish_order[num_finished]] == num_steps:
+            k = finish_order[num_finished]
+            num_finished += 1
+            row = running[k]
+            computed = requests[row, COMPUTED]
+            first_block_step = requests[row, BLOCKS] * block_size - computed + 1
+            blocks_by_phase[first_block_step - 1] -= 1
+            num_free_blocks += requests[row, BLOCKS] + (num_steps - first_block_step) // block_size + 1 \
+                if num_steps >= first_block_step else requests[row, BLOCKS]
+            num_kv_tokens -= computed
+            num_active -= 1
+            times[row, FINISHED] = now_s
+            stopped = stopped or row == stop_row
+        if stopped or num_active == 0:
+            break
+        if _admits_next(requests, waiting, counters, config, num_active, num_free_blocks,
+                        blocks_by_phase[num_steps % block_size]):
+            break
     if num_steps == 0:
         return 0
     clock[0] = now_s
     counters[NUM_FREE_BLOCKS] = num_free_blocks
+    num_kept = 0
     for k in range(num_running):
         row = running[k]
+        if remaining[k] <= num_steps:
+            requests[row, COMPUTED] += remaining[k]
+            requests[row, GENERATED] += remaining[k]
+            requests[row, BLOCKS] = 0  # given back at its finish (counted above)
+            continue
         first_block_step = requests[row, BLOCKS] * block_size - requests[row, COMPUTED] + 1
         if num_steps >= first_block_step:
             requests[row, BLOCKS] += (num_steps - first_block_step) // block_size + 1
         requests[row, COMPUTED] += num_steps
         requests[row, GENERATED] += num_steps
+        running[num_kept] = row
+        num_kept += 1
+    counters[NUM_RUNNING] = num_kept
     return num_steps
 
 
@@ -317,14 +360,16 @@ def simulate(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiti
     decodes = np.empty(capacity, np.int64)
     prefills = np.empty(capacity, np.int64)
     blocks_by_phase = np.empty(max(config[BLOCK_SIZE], 1), np.int64)
+    remaining = np.empty(capacity, np.int64)
     num_steps = 0
     while counters[NUM_RUNNING] > 0 or counters[NUM_WAITING] > 0:
         if stop_row >= 0 and not np.isnan(times[stop_row, FINISHED]):
             return num_steps
         if clock[0] >= until_s or num_steps >= max_steps:
             return num_steps
-        num_jumped = _decode_span(requests, running, waiting, counters, clock, config, latency,
-                                  linear_table_s, until_s, max_steps - num_steps, blocks_by_phase)
+        num_jumped = _decode_span(requests, times, running, waiting, counters, clock, config, latency,
+                                  linear_table_s, until_s, max_steps - num_steps, stop_row,
+                                  blocks_by_phase, remaining)
         if num_jumped:
             num_steps += num_jumped
             continue
@@ -354,6 +399,7 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
     decodes = np.empty(capacity, np.int64)
     prefills = np.empty(capacity, np.int64)
     blocks_by_phase = np.empty(max(config[BLOCK_SIZE], 1), np.int64)
+    remaining = np.empty(capacity, np.int64)
     saved_requests = np.empty_like(requests)
     saved_times = np.empty_like(times)
     saved_running = np.empty_like(running)
@@ -361,8 +407,8 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
     saved_counters = np.empty_like(counters)
     while counters[NUM_WAITING] > 0:
         # A decode span never admits anyone (its first step could not), so it keeps the queue.
-        if _decode_span(requests, running, waiting, counters, clock, config, latency,
-                        linear_table_s, np.inf, 1 << 62, blocks_by_phase):
+        if _decode_span(requests, times, running, waiting, counters, clock, config, latency,
+                        linear_table_s, np.inf, 1 << 62, -1, blocks_by_phase, remaining):
             continue
         saved_requests[:] = requests
         saved_times[:] = times
@@ -383,17 +429,56 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
 
 
 @njit(cache=True)
-def delay_against(finished_at_s: np.ndarray, times: np.ndarray, num_rows: int) -> tuple[float, float]:
-    """(Sum over rows < ``num_rows`` of how much later each finishes in ``times`` than in
-    ``finished_at_s``, latest finish in ``times``); unfinished rows count as neither."""
+def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
+            counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
+            linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int, arrival_s: float,
+            baseline_finished_at_s: np.ndarray) -> tuple[float, float, float, float, int, np.ndarray]:
+    """Append a request to a copy of the state and simulate until everything finishes;
+    the state itself is not changed. ``output_tokens`` must already fit ``max_model_len``.
+
+    Returns, in seconds after ``arrival_s``: the request's first token and finish, the
+    sum over the rows already there of how much later each finishes than in
+    ``baseline_finished_at_s`` (by row), the latest finish; the preemptions the run
+    made; and every row's finish time (the new request's row last)."""
+    num_rows = counters[NUM_ROWS]
+    capacity = waiting.shape[0]
+    # A copy with exactly one spare row, the waiting ring laid out from slot 0.
+    new_requests = np.empty((num_rows + 1, NUM_REQUEST_FIELDS), np.int64)
+    new_requests[:num_rows] = requests[:num_rows]
+    new_times = np.empty((num_rows + 1, NUM_TIME_FIELDS), np.float64)
+    new_times[:num_rows] = times[:num_rows]
+    new_running = np.empty(num_rows + 1, np.int64)
+    new_running[:counters[NUM_RUNNING]] = running[:counters[NUM_RUNNING]]
+    new_waiting = np.empty(num_rows + 1, np.int64)
+    num_waiting = counters[NUM_WAITING]
+    for k in range(num_waiting):
+        new_waiting[k] = waiting[(counters[WAITING_HEAD] + k) % capacity]
+    new_waiting[num_waiting] = num_rows
+    new_counters = counters.copy()
+    new_counters[NUM_ROWS] = num_rows + 1
+    new_counters[WAITING_HEAD] = 0
+    new_counters[NUM_WAITING] = num_waiting + 1
+    new_requests[num_rows, :] = 0
+    new_requests[num_rows, PROMPT] = prompt_tokens
+    new_requests[num_rows, TARGET] = output_tokens
+    new_times[num_rows, :] = np.nan
+    new_times[num_rows, ARRIVAL] = arrival_s
+    new_clock = clock.copy()
+    simulate(new_requests, new_times, new_running, new_waiting, new_counters, new_clock, config,
+             latency, linear_table_s, np.inf, -1, 1 << 62)
     added_delay_s = 0.0
-    latest_s = -np.inf
+    latest_s = new_times[num_rows, FINISHED]
     for row in range(num_rows):
-        finish_s = times[row, FINISHED]
+        finish_s = new_times[row, FINISHED]
         if np.isnan(finish_s):
             continue
         latest_s = max(latest_s, finish_s)
-        before_s = finished_at_s[row]
+        before_s = baseline_finished_at_s[row]
         if finish_s > before_s:
             added_delay_s += finish_s - before_s
-    return added_delay_s, latest_s
+    finished_s = new_times[num_rows, FINISHED]
+    first_token_s = new_times[num_rows, FIRST_TOKEN]
+    if np.isnan(first_token_s):
+        first_token_s = finished_s
+    return (first_token_s - arrival_s, finished_s - arrival_s, added_delay_s, latest_s - arrival_s,
+            new_counters[NUM_PREEMPTIONS] - counters[NUM_PREEMPTIONS], new_times[:, FINISHED].copy())

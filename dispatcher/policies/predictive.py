@@ -37,7 +37,14 @@ class Block:
         return self._best(request, candidates, now_s)
 
     def _best(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
-        scored = [(self.forecast(request, c, now_s), c) for c in candidates]
+        scored = []
+        sizes: dict[int, tuple[int, int]] = {}  # by max_model_len: the same on most fleets
+        for candidate in candidates:
+            replica = self.view.replica(candidate, now_s)
+            max_model_len = replica.config.max_model_len
+            if max_model_len not in sizes:
+                sizes[max_model_len] = replica.request_size(request, use_truth=self.use_truth)
+            scored.append((forecast(replica, request.id, *sizes[max_model_len]), candidate))
         scores = [f.score(self.objective) for f, _ in scored]
         best = min(scores)
         ties = [pair for pair, s in zip(scored, scores, strict=True) if s <= best + 1e-9]
