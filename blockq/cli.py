@@ -272,14 +272,14 @@ def _add_bench_engine(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from blockq.engine_model.bench import bench_engine_model
+    from blockq.engine_model.bench import bench_engine_model, bench_packed
     from workers.bench import SustainOptions, sustained_instances
 
     model = bench_engine_model()
     sustain = sustained_instances(SustainOptions(
         instance_counts=tuple(int(x) for x in args.instances.split(",")), rate_per_instance=args.rate,
         duration_s=args.duration_s, lag_bound_ms=args.lag_bound_ms, cpu=None if args.cpu < 0 else args.cpu))
-    report = {**model, **sustain}
+    report = {**model, **sustain, **bench_packed()}
     if args.json:
         _print_json(report)
         return 0

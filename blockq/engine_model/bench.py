@@ -13,7 +13,12 @@ loaded instance (48 running requests mid-decode and 20 waiting, ShareGPT-like le
 * ``simulate_to_new_finish_ms_p50`` / ``_p99`` (and ``_steps`` / ``_jumps``): the same,
   stopping when the new request finishes;
 * ``simulated_steps_per_s``: steps simulated per second by :meth:`simulate`
-  (``stepped_steps_per_s``: by plain steps).
+  (``stepped_steps_per_s``: by plain steps);
+* ``packed_clone_us_p50``, ``packed_simulate_to_finish_us_p50`` / ``_p99``: the same
+  clone and run to the end on the dispatcher's compiled twin
+  (:class:`~blockq.engine_model.packed.PackedScheduler`), and
+  ``packed_what_if_us_p50`` / ``_p99``: one :meth:`PackedScheduler.what_if` call (copy,
+  append, run to the end, compare with a baseline) from the state's queue-drain snapshot.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from blockq.engine_model.packed import PackedScheduler, warm_up
+from blockq.engine_model.packed_kernel import FINISHED
 from blockq.engine_model.presets import get_preset
 from blockq.engine_model.request import EngineRequest
 from blockq.engine_model.scheduler import EngineScheduler
@@ -132,6 +139,48 @@ def _time_clones(states: list[EngineScheduler], num_repeats: int) -> list[float]
     return durations_s
 
 
+def bench_packed(num_states: int = 40, num_repeats: int = 5, seed: int = 0, preset: str = "llama2-7b-a30",
+                 num_running: int = 48, num_waiting: int = 20) -> dict[str, float]:
+    """The ``packed_*`` figures (see the module docstring), on the same kind of states."""
+    rng = random.Random(seed)
+    states = [build_loaded_scheduler(rng, preset, num_running, num_waiting) for _ in range(num_states)]
+    return _time_packed(states, rng, num_repeats)
+
+
+def _time_packed(states: list[EngineScheduler], rng: random.Random, num_repeats: int) -> dict[str, float]:
+    """Clone / clone-add-simulate / what-if timings on the packed twin, in microseconds."""
+    warm_up()
+    packed_states = [PackedScheduler.from_scheduler(state) for state in states]
+    clone_s: list[float] = []
+    to_finish_s: list[float] = []
+    what_if_s: list[float] = []
+    for _ in range(num_repeats):
+        for packed in packed_states:
+            new_request = sharegpt_like_request(rng, NEW_REQUEST_ID)
+            started = time.perf_counter()
+            scheduler = packed.clone()
+            clone_s.append(time.perf_counter() - started)
+            scheduler.add_request(NEW_REQUEST_ID, new_request.prompt_tokens, new_request.output_target_tokens)
+            scheduler.simulate()
+            to_finish_s.append(time.perf_counter() - started)
+    for packed in packed_states:
+        snapshot = packed.queue_drain_snapshot()
+        future = snapshot.clone()
+        future.simulate()
+        baseline_finished_at_s = future.times[:, FINISHED].copy()
+        for _ in range(num_repeats):
+            new_request = sharegpt_like_request(rng, NEW_REQUEST_ID)
+            started = time.perf_counter()
+            snapshot.what_if(new_request.prompt_tokens, new_request.output_target_tokens, packed.now_s,
+                             baseline_finished_at_s)
+            what_if_s.append(time.perf_counter() - started)
+    return {"packed_clone_us_p50": _percentile(clone_s, 50) * 1e6,
+            "packed_simulate_to_finish_us_p50": _percentile(to_finish_s, 50) * 1e6,
+            "packed_simulate_to_finish_us_p99": _percentile(to_finish_s, 99) * 1e6,
+            "packed_what_if_us_p50": _percentile(what_if_s, 50) * 1e6,
+            "packed_what_if_us_p99": _percentile(what_if_s, 99) * 1e6}
+
+
 def bench_engine_model(num_states: int = 40, num_repeats: int = 5, num_steps_per_state: int = 50,
                        seed: int = 0, preset: str = "llama2-7b-a30", num_running: int = 48,
                        num_waiting: int = 20) -> dict[str, Any]:
@@ -176,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the instances")
     parser.add_argument("--preset", default="llama2-7b-a30", help="engine preset name")
     args = parser.parse_args(argv)
-    figures = bench_engine_model(args.states, args.repeats, seed=args.seed, preset=args.preset)
+    figures: dict[str, Any] = bench_engine_model(args.states, args.repeats, seed=args.seed, preset=args.preset)
+    figures.update(bench_packed(args.states, args.repeats, seed=args.seed, preset=args.preset))
     if args.json:
         print(json.dumps(figures, indent=1))
         return

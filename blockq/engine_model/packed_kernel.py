@@ -345,6 +345,15 @@ def _decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, w
 
 
 @njit(cache=True)
+def _scratch(capacity: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                      np.ndarray, np.ndarray, np.ndarray]:
+    """Scratch space for :func:`step` (per row, clean) and :func:`_decode_span`."""
+    return (np.zeros(capacity, np.int64), np.zeros(capacity, np.int64), np.zeros(capacity, np.bool_),
+            np.empty(capacity, np.int64), np.empty(capacity, np.int64), np.empty(max(block_size, 1), np.int64),
+            np.empty(capacity, np.int64))
+
+
+@njit(cache=True)
 def simulate(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
              counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
              linear_table_s: np.ndarray, until_s: float, stop_row: int, max_steps: int) -> int:
@@ -353,14 +362,8 @@ def simulate(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiti
     Stops at the first of: nothing left to run; the next step would start at or after
     ``until_s`` (``np.inf``: no limit; when stopped idle, the clock moves to it); row
     ``stop_row`` finished (-1: none); ``max_steps`` steps."""
-    capacity = requests.shape[0]
-    scheduled = np.zeros(capacity, np.int64)
-    new_tokens = np.zeros(capacity, np.int64)
-    preempted = np.zeros(capacity, np.bool_)
-    decodes = np.empty(capacity, np.int64)
-    prefills = np.empty(capacity, np.int64)
-    blocks_by_phase = np.empty(max(config[BLOCK_SIZE], 1), np.int64)
-    remaining = np.empty(capacity, np.int64)
+    scheduled, new_tokens, preempted, decodes, prefills, blocks_by_phase, remaining = _scratch(
+        requests.shape[0], config[BLOCK_SIZE])
     num_steps = 0
     while counters[NUM_RUNNING] > 0 or counters[NUM_WAITING] > 0:
         if stop_row >= 0 and not np.isnan(times[stop_row, FINISHED]):
@@ -392,14 +395,8 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
     Admission is FCFS without skipping, so the appended row is first considered in the
     step that empties the queue ahead of it; every step before that one runs the same
     with or without it. Nothing waiting: no change."""
-    capacity = requests.shape[0]
-    scheduled = np.zeros(capacity, np.int64)
-    new_tokens = np.zeros(capacity, np.int64)
-    preempted = np.zeros(capacity, np.bool_)
-    decodes = np.empty(capacity, np.int64)
-    prefills = np.empty(capacity, np.int64)
-    blocks_by_phase = np.empty(max(config[BLOCK_SIZE], 1), np.int64)
-    remaining = np.empty(capacity, np.int64)
+    scheduled, new_tokens, preempted, decodes, prefills, blocks_by_phase, remaining = _scratch(
+        requests.shape[0], config[BLOCK_SIZE])
     saved_requests = np.empty_like(requests)
     saved_times = np.empty_like(times)
     saved_running = np.empty_like(running)
