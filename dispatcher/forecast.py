@@ -30,14 +30,15 @@ class Forecast:
         return self.max_latency_s
 
 
-def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, output_tokens: int) -> Forecast:
+def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, output_tokens: int, *,
+             keep: bool = True) -> Forecast:
     """Simulate a request of this size added to ``replica`` now, until every request
     there finishes.
 
     The run starts from the baseline's snapshot (exactly where it would diverge) or from
     the present, whichever is later, with the request's arrival at the present. The run
-    is handed to the replica: if the request is then placed there, it is the replica's
-    new baseline (:meth:`InstanceReplica.add_assignment`)."""
+    is handed to the replica (unless ``keep`` is false): if the request is then placed
+    there, it is the replica's new baseline (:meth:`InstanceReplica.add_assignment`)."""
     baseline = replica.baseline()
     now_s = replica.scheduler.now_s
     # Once the replica has moved past the snapshot (the queue drained since), the
@@ -45,7 +46,8 @@ def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, outp
     start = baseline.snapshot if baseline.snapshot.now_s >= now_s else replica.scheduler
     ttft_s, e2e_s, added_delay_s, max_latency_s, num_preemptions, finished_at_s = start.what_if(
         prompt_tokens, output_tokens, now_s, baseline.finished_at_s)
-    replica.keep_what_if(WhatIf(replica.version, request_id, (prompt_tokens, output_tokens), start, now_s,
-                                finished_at_s))
+    if keep:
+        replica.keep_what_if(WhatIf(replica.version, request_id, (prompt_tokens, output_tokens), start, now_s,
+                                    finished_at_s))
     return Forecast(ttft_s=ttft_s, e2e_s=e2e_s, added_delay_s=added_delay_s,
                     max_latency_s=max_latency_s, num_preemptions=num_preemptions)

@@ -159,12 +159,18 @@ class InstanceReplica:
         """Remember the latest what-if run (see :meth:`add_assignment`)."""
         self._what_if = what_if
 
-    def request_size(self, request: Request, *, use_truth: bool | None = None) -> tuple[int, int]:
-        """(prompt tokens, output tokens to simulate) for a new request on this instance."""
+    def request_size(self, request: Request, *, use_truth: bool | None = None,
+                     upper: bool = False) -> tuple[int, int]:
+        """(prompt tokens, output tokens to simulate) for a new request on this instance:
+        the median of its predicted length, or with ``upper`` its upper quantile (p90);
+        its true length when simulating with truth."""
         belief = self.beliefs.get(request.id) or belief_of(request)
         truth = self.use_truth if use_truth is None else use_truth
         prompt_tokens = min(prompt_tokens_of(request), self.config.max_model_len - 1)
-        return prompt_tokens, belief.remaining_target(0, use_truth=truth)
+        output_tokens = belief.remaining_target(0, use_truth=truth)
+        if upper and not (truth and belief.true_tokens is not None):
+            output_tokens = max(output_tokens, belief.p90_tokens)
+        return prompt_tokens, output_tokens
 
     def baseline(self) -> Baseline:
         """The replica's future without a new request, simulated once per version (a

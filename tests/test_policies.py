@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from blockq.engine_model.packed_kernel import FINISHED
-from blockq.protocol import RequestProgress
+from blockq.protocol import Prediction, RequestProgress
 from dispatcher.cluster_view import ClusterView
+from dispatcher.forecast import forecast
 from dispatcher.policies import POLICY_FACTORIES, make_policy
 from tests.factories import make_heartbeat, make_request
 
@@ -86,6 +87,27 @@ def test_block_avoids_instance_whose_kv_the_request_would_exhaust() -> None:
     request = make_request("x " * 100, max_tokens=2000, predicted=1500)
     assert choose("llumnix", view, request) == "tight"
     assert choose("block", view, request) == "roomy"
+
+
+def test_block_passes_over_an_instance_whose_kv_the_upper_quantile_would_exhaust() -> None:
+    # "edge": 4 long requests that will reach 4,000 tokens (1,000 of its 1,052 blocks). The
+    # new request's median (50 tokens) fits there, and edge has the best median score; at
+    # its p90 (1,500 tokens) the request would run beside them to the end and preempt.
+    edge = make_heartbeat("edge", running=running(4, prompt=2100, generated=300, predicted=1900, prefix="e"),
+                          num_used_blocks=4 * 150)
+    busy = make_heartbeat("busy", running=running(24, prompt=50, generated=20, predicted=200, prefix="b"),
+                          num_used_blocks=24 * 5)
+    view = view_with(edge, busy)
+    request = make_request("x " * 100, max_tokens=3000).with_prediction(Prediction(100, 50, 20, 1500, "test"))
+    policy = make_policy("block", view, seed=0)
+    now = time.time()
+    median = {c.instance_id: policy.forecast(request, c, now) for c in view.live_instances()}
+    assert median["edge"].score("e2e") < median["busy"].score("e2e")
+    assert median["edge"].num_preemptions == 0
+    edge_replica = view.replica(view.instances["edge"], now)
+    upper = forecast(edge_replica, request.id, *edge_replica.request_size(request, upper=True), keep=False)
+    assert upper.num_preemptions > 0
+    assert policy.choose(request, view.live_instances(), now).instance_id == "busy"
 
 
 def test_block_records_predicted_latencies() -> None:

@@ -11,12 +11,21 @@ from dispatcher.cluster_view import ClusterView, InstanceView
 from dispatcher.forecast import OBJECTIVES, Forecast, forecast
 from dispatcher.policies.base import Decision
 
+# Candidates, best first, whose KV the upper-quantile run checks before one is taken.
+KV_GUARD_CANDIDATES = 4
+
 
 class Block:
-    """For every candidate: clone its replica, add the request with its predicted length,
-    simulate until everything there finishes, score by the objective; lowest wins, ties
-    at random. ``e2e`` (default) = the request's completion time plus the delay it adds to
-    the requests already there."""
+    """For every candidate: clone its replica, add the request with its predicted length
+    (the median), simulate until everything there finishes, score by the objective;
+    lowest wins, ties at random. ``e2e`` (default) = the request's completion time plus
+    the delay it adds to the requests already there.
+
+    KV guard: the request may run longer than its median. Before taking a candidate, the
+    run is repeated with the upper quantile (p90) of the predicted length; a candidate
+    where that run preempts more than the median run (the request would exhaust the KV
+    cache if it turned out long) is passed over for the next best, among the best
+    :data:`KV_GUARD_CANDIDATES`. If all of them would, the best one is taken."""
 
     name = "block"
     use_truth = False
@@ -37,18 +46,27 @@ class Block:
         return self._best(request, candidates, now_s)
 
     def _best(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
-        scored = []
+        ranked = []
         sizes: dict[int, tuple[int, int]] = {}  # by max_model_len: the same on most fleets
         for candidate in candidates:
             replica = self.view.replica(candidate, now_s)
             max_model_len = replica.config.max_model_len
             if max_model_len not in sizes:
                 sizes[max_model_len] = replica.request_size(request, use_truth=self.use_truth)
-            scored.append((forecast(replica, request.id, *sizes[max_model_len]), candidate))
-        scores = [f.score(self.objective) for f, _ in scored]
-        best = min(scores)
-        ties = [pair for pair, s in zip(scored, scores, strict=True) if s <= best + 1e-9]
-        chosen_forecast, chosen = self.rng.choice(ties)
+            candidate_forecast = forecast(replica, request.id, *sizes[max_model_len])
+            # Scores equal to 1e-9 s are ties, broken at random.
+            key = (round(candidate_forecast.score(self.objective), 9), self.rng.random())
+            ranked.append((key, candidate_forecast, candidate, replica))
+        ranked.sort(key=lambda item: item[0])
+        _, chosen_forecast, chosen, _ = ranked[0]
+        for _, candidate_forecast, candidate, replica in ranked[:KV_GUARD_CANDIDATES]:
+            upper_size = replica.request_size(request, use_truth=self.use_truth, upper=True)
+            if upper_size == sizes[replica.config.max_model_len]:
+                break  # no spread above the median: nothing to guard
+            upper = forecast(replica, request.id, *upper_size, keep=False)
+            if upper.num_preemptions <= candidate_forecast.num_preemptions:
+                chosen_forecast, chosen = candidate_forecast, candidate
+                break
         return Decision(chosen.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
                         predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
 
