@@ -32,7 +32,7 @@ from blockq.engine_model import (
     StepSample,
 )
 from blockq.engine_model.packed import PackedScheduler
-from blockq.engine_model.packed_kernel import FINISHED
+from blockq.engine_model.packed_layout import FINISHED
 from blockq.protocol import Heartbeat, Request, RequestProgress
 from dispatcher.lengths import LengthBelief, belief_from_prediction
 

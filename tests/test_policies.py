@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from blockq.engine_model.packed_kernel import FINISHED
+from blockq.engine_model.packed_layout import FINISHED
 from blockq.protocol import Prediction, RequestProgress
 from dispatcher.cluster_view import ClusterView
 from dispatcher.forecast import forecast
@@ -36,7 +36,7 @@ def choose(name: str, view: ClusterView, request=None, seed: int = 0) -> str:  #
 
 def test_registry_lists_every_policy() -> None:
     assert set(POLICY_FACTORIES) == {"round_robin", "random", "least_requests", "least_kv", "llumnix",
-                                     "power_of_two", "block", "oracle"}
+                                     "power_of_two", "block", "block_kv_guard", "oracle"}
     with pytest.raises(ValueError, match="policy: unknown 'nope'"):
         make_policy("nope")
 
@@ -89,7 +89,7 @@ def test_block_avoids_instance_whose_kv_the_request_would_exhaust() -> None:
     assert choose("block", view, request) == "roomy"
 
 
-def test_block_passes_over_an_instance_whose_kv_the_upper_quantile_would_exhaust() -> None:
+def test_kv_guard_passes_over_an_instance_whose_kv_the_upper_quantile_would_exhaust() -> None:
     # "edge": 4 long requests that will reach 4,000 tokens (1,000 of its 1,052 blocks). The
     # new request's median (50 tokens) fits there, and edge has the best median score; at
     # its p90 (1,500 tokens) the request would run beside them to the end and preempt.
@@ -99,7 +99,7 @@ def test_block_passes_over_an_instance_whose_kv_the_upper_quantile_would_exhaust
                           num_used_blocks=24 * 5)
     view = view_with(edge, busy)
     request = make_request("x " * 100, max_tokens=3000).with_prediction(Prediction(100, 50, 20, 1500, "test"))
-    policy = make_policy("block", view, seed=0)
+    policy = make_policy("block_kv_guard", view, seed=0)
     now = time.time()
     median = {c.instance_id: policy.forecast(request, c, now) for c in view.live_instances()}
     assert median["edge"].score("e2e") < median["busy"].score("e2e")
@@ -108,6 +108,7 @@ def test_block_passes_over_an_instance_whose_kv_the_upper_quantile_would_exhaust
     upper = forecast(edge_replica, request.id, *edge_replica.request_size(request, upper=True), keep=False)
     assert upper.num_preemptions > 0
     assert policy.choose(request, view.live_instances(), now).instance_id == "busy"
+    assert make_policy("block", view, seed=0).choose(request, view.live_instances(), now).instance_id == "edge"
 
 
 def test_block_records_predicted_latencies() -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from blockq.engine_model.packed import PackedScheduler, warm_up
-from blockq.engine_model.packed_kernel import FINISHED
+from blockq.engine_model.packed_layout import FINISHED
 from blockq.engine_model.presets import get_preset
 from blockq.engine_model.request import EngineRequest
 from blockq.engine_model.scheduler import EngineScheduler

@@ -16,6 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from blockq.engine_model import packed_kernel as kernel
+from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.request import EngineRequest
@@ -41,12 +42,12 @@ class PackedScheduler:
         self.config = config
         self.latency_model = latency_model
         capacity = max(1, capacity)
-        self.requests = np.zeros((capacity, kernel.NUM_REQUEST_FIELDS), np.int64)
-        self.times = np.full((capacity, kernel.NUM_TIME_FIELDS), np.nan)
+        self.requests = np.zeros((capacity, layout.NUM_REQUEST_FIELDS), np.int64)
+        self.times = np.full((capacity, layout.NUM_TIME_FIELDS), np.nan)
         self.running = np.zeros(capacity, np.int64)
         self.waiting = np.zeros(capacity, np.int64)
-        self.counters = np.zeros(kernel.NUM_COUNTERS, np.int64)
-        self.counters[kernel.NUM_FREE_BLOCKS] = config.num_gpu_blocks
+        self.counters = np.zeros(layout.NUM_COUNTERS, np.int64)
+        self.counters[layout.NUM_FREE_BLOCKS] = config.num_gpu_blocks
         self.clock = np.array([float(now_s)])
         self.request_ids: list[str] = []
         self._config_array = np.array([config.block_size, config.max_num_seqs,
@@ -65,10 +66,10 @@ class PackedScheduler:
         packed.running[:num_running] = np.arange(num_running)
         packed.waiting[:len(scheduler.waiting)] = np.arange(num_running, len(requests))
         counters = packed.counters
-        counters[kernel.NUM_ROWS] = len(requests)
-        counters[kernel.NUM_RUNNING] = num_running
-        counters[kernel.NUM_WAITING] = len(scheduler.waiting)
-        counters[kernel.NUM_FREE_BLOCKS] = scheduler.num_free_blocks
+        counters[layout.NUM_ROWS] = len(requests)
+        counters[layout.NUM_RUNNING] = num_running
+        counters[layout.NUM_WAITING] = len(scheduler.waiting)
+        counters[layout.NUM_FREE_BLOCKS] = scheduler.num_free_blocks
         return packed
 
     def clone(self) -> PackedScheduler:
@@ -96,45 +97,45 @@ class PackedScheduler:
 
     @property
     def num_rows(self) -> int:
-        return int(self.counters[kernel.NUM_ROWS])
+        return int(self.counters[layout.NUM_ROWS])
 
     @property
     def num_free_blocks(self) -> int:
-        return int(self.counters[kernel.NUM_FREE_BLOCKS])
+        return int(self.counters[layout.NUM_FREE_BLOCKS])
 
     @property
     def num_preemptions(self) -> int:
         """Preemptions since this state was packed (clones carry the count on)."""
-        return int(self.counters[kernel.NUM_PREEMPTIONS])
+        return int(self.counters[layout.NUM_PREEMPTIONS])
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.counters[kernel.NUM_RUNNING] or self.counters[kernel.NUM_WAITING])
+        return bool(self.counters[layout.NUM_RUNNING] or self.counters[layout.NUM_WAITING])
 
     def running_rows(self) -> list[int]:
-        return self.running[:self.counters[kernel.NUM_RUNNING]].tolist()
+        return self.running[:self.counters[layout.NUM_RUNNING]].tolist()
 
     def waiting_rows(self) -> list[int]:
-        head, count, capacity = self.counters[kernel.WAITING_HEAD], self.counters[kernel.NUM_WAITING], len(self.waiting)
+        head, count, capacity = self.counters[layout.WAITING_HEAD], self.counters[layout.NUM_WAITING], len(self.waiting)
         return [int(self.waiting[(head + k) % capacity]) for k in range(count)]
 
     def finished_at_s(self, row: int) -> float | None:
-        return _time_or_none(self.times[row, kernel.FINISHED])
+        return _time_or_none(self.times[row, layout.FINISHED])
 
     def first_token_at_s(self, row: int) -> float | None:
-        return _time_or_none(self.times[row, kernel.FIRST_TOKEN])
+        return _time_or_none(self.times[row, layout.FIRST_TOKEN])
 
     def request(self, row: int) -> EngineRequest:
         """Row ``row`` as an :class:`EngineRequest` (a copy; for inspection and tests)."""
         values = self.requests[row].tolist()
         times = [_time_or_none(t) for t in self.times[row].tolist()]
         return EngineRequest(
-            request_id=self.request_ids[row], prompt_tokens=values[kernel.PROMPT],
-            output_target_tokens=values[kernel.TARGET], arrival_s=times[kernel.ARRIVAL] or 0.0,
-            num_computed_tokens=values[kernel.COMPUTED], num_generated_tokens=values[kernel.GENERATED],
-            num_preemptions=values[kernel.PREEMPTIONS], first_scheduled_at_s=times[kernel.FIRST_SCHEDULED],
-            first_token_at_s=times[kernel.FIRST_TOKEN], finished_at_s=times[kernel.FINISHED],
-            num_blocks=values[kernel.BLOCKS])
+            request_id=self.request_ids[row], prompt_tokens=values[layout.PROMPT],
+            output_target_tokens=values[layout.TARGET], arrival_s=times[layout.ARRIVAL] or 0.0,
+            num_computed_tokens=values[layout.COMPUTED], num_generated_tokens=values[layout.GENERATED],
+            num_preemptions=values[layout.PREEMPTIONS], first_scheduled_at_s=times[layout.FIRST_SCHEDULED],
+            first_token_at_s=times[layout.FIRST_TOKEN], finished_at_s=times[layout.FINISHED],
+            num_blocks=values[layout.BLOCKS])
 
     # --- changes --------------------------------------------------------------------------
 
@@ -156,14 +157,14 @@ class PackedScheduler:
         if row == len(self.requests):
             self._grow()
         self.requests[row] = 0
-        self.requests[row, kernel.PROMPT] = prompt_tokens
-        self.requests[row, kernel.TARGET] = min(output_target_tokens, max_model_len - prompt_tokens)
+        self.requests[row, layout.PROMPT] = prompt_tokens
+        self.requests[row, layout.TARGET] = min(output_target_tokens, max_model_len - prompt_tokens)
         self.times[row] = math.nan
-        self.times[row, kernel.ARRIVAL] = self.now_s if arrival_s is None else arrival_s
+        self.times[row, layout.ARRIVAL] = self.now_s if arrival_s is None else arrival_s
         counters = self.counters
-        self.waiting[(counters[kernel.WAITING_HEAD] + counters[kernel.NUM_WAITING]) % len(self.waiting)] = row
-        counters[kernel.NUM_WAITING] += 1
-        counters[kernel.NUM_ROWS] += 1
+        self.waiting[(counters[layout.WAITING_HEAD] + counters[layout.NUM_WAITING]) % len(self.waiting)] = row
+        counters[layout.NUM_WAITING] += 1
+        counters[layout.NUM_ROWS] += 1
         self.request_ids.append(request_id)
         return row
 
@@ -215,7 +216,7 @@ class PackedScheduler:
         self.running = np.concatenate([self.running, np.zeros(capacity, np.int64)])
         self.waiting = np.zeros(2 * capacity, np.int64)
         self.waiting[:len(waiting_rows)] = waiting_rows
-        self.counters[kernel.WAITING_HEAD] = 0
+        self.counters[layout.WAITING_HEAD] = 0
 
 
 @lru_cache(maxsize=256)
@@ -232,7 +233,7 @@ def warm_up() -> None:
     scheduler.simulate(until_s=0.05)
     future = scheduler.clone()
     future.simulate()
-    scheduler.what_if(40, 20, scheduler.now_s, future.times[:, kernel.FINISHED].copy())
+    scheduler.what_if(40, 20, scheduler.now_s, future.times[:, layout.FINISHED].copy())
 
 
 @lru_cache(maxsize=256)

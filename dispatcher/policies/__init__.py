@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dispatcher.cluster_view import ClusterView
 from dispatcher.policies.base import Decision, Policy
 from dispatcher.policies.load import LeastKv, Llumnix
-from dispatcher.policies.predictive import Block, Oracle, PowerOfTwo
+from dispatcher.policies.predictive import Block, BlockKvGuard, Oracle, PowerOfTwo
 from dispatcher.policies.simple import LeastRequests, RandomChoice, RoundRobin
 
 PolicyFactory = Callable[[ClusterView, random.Random, str], Policy]
@@ -25,6 +25,7 @@ POLICY_FACTORIES: dict[str, PolicyFactory] = {
     "llumnix": lambda view, rng, objective: Llumnix(rng),
     "power_of_two": PowerOfTwo,
     "block": Block,
+    "block_kv_guard": BlockKvGuard,
     "oracle": Oracle,
 }
 

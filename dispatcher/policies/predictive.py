@@ -1,5 +1,6 @@
-"""Policies that place by simulation: ``block`` (every live instance), ``power_of_two``
-(two sampled instances) and ``oracle`` (``block`` with true output lengths)."""
+"""Policies that place by simulation: ``block`` (every live instance), ``block_kv_guard``
+(``block`` guarding KV with the upper quantile), ``power_of_two`` (two sampled
+instances) and ``oracle`` (``block`` with true output lengths)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,6 @@ from dispatcher.cluster_view import ClusterView, InstanceView
 from dispatcher.forecast import OBJECTIVES, Forecast, forecast
 from dispatcher.policies.base import Decision
 
-# Candidates, best first, whose KV the upper-quantile run checks before one is taken.
-KV_GUARD_CANDIDATES = 4
-
 
 class Block:
     """For every candidate: clone its replica, add the request with its predicted length
@@ -21,14 +19,15 @@ class Block:
     lowest wins, ties at random. ``e2e`` (default) = the request's completion time plus
     the delay it adds to the requests already there.
 
-    KV guard: the request may run longer than its median. Before taking a candidate, the
-    run is repeated with the upper quantile (p90) of the predicted length; a candidate
-    where that run preempts more than the median run (the request would exhaust the KV
-    cache if it turned out long) is passed over for the next best, among the best
-    :data:`KV_GUARD_CANDIDATES`. If all of them would, the best one is taken."""
+    With ``kv_guard_candidates`` > 0 (:class:`BlockKvGuard`), the request's upper
+    quantile guards against KV exhaustion: before a candidate is taken, its run is
+    repeated with the p90 length, and a candidate where that run preempts more than the
+    median run is passed over for the next best, among the best ``kv_guard_candidates``;
+    if all of them would, the best one is taken."""
 
     name = "block"
     use_truth = False
+    kv_guard_candidates = 0
 
     def __init__(self, view: ClusterView, rng: random.Random, objective: str = "e2e") -> None:
         if objective not in OBJECTIVES:
@@ -59,7 +58,7 @@ class Block:
             ranked.append((key, candidate_forecast, candidate, replica))
         ranked.sort(key=lambda item: item[0])
         _, chosen_forecast, chosen, _ = ranked[0]
-        for _, candidate_forecast, candidate, replica in ranked[:KV_GUARD_CANDIDATES]:
+        for _, candidate_forecast, candidate, replica in ranked[:self.kv_guard_candidates]:
             upper_size = replica.request_size(request, use_truth=self.use_truth, upper=True)
             if upper_size == sizes[replica.config.max_model_len]:
                 break  # no spread above the median: nothing to guard
@@ -69,6 +68,13 @@ class Block:
                 break
         return Decision(chosen.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
                         predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
+
+
+class BlockKvGuard(Block):
+    """``block`` with the KV guard over the best 4 candidates (see :class:`Block`)."""
+
+    name = "block_kv_guard"
+    kv_guard_candidates = 4
 
 
 class PowerOfTwo(Block):

@@ -1,0 +1,139 @@
+"""Decode spans over packed state: runs of decode-only steps taken in a tight loop.
+
+Within a span every running row decodes one token per step, so a step's cost and the
+blocks it takes follow from a few running sums instead of a visit to every row (see
+:func:`decode_span`). Durations are still summed one step at a time, in the order
+:meth:`EngineScheduler.step` sums them, so the results equal stepping exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from blockq.engine_model.packed_layout import (
+    BLOCK_SIZE,
+    BLOCKS,
+    COMPUTED,
+    FINISHED,
+    GENERATED,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    NUM_FREE_BLOCKS,
+    NUM_RUNNING,
+    NUM_WAITING,
+    PROMPT,
+    TARGET,
+    WAITING_HEAD,
+    WATERMARK_BLOCKS,
+)
+from blockq.engine_model.packed_step import ceil_div, step_seconds
+
+
+@njit(cache=True)
+def admits_next(requests: np.ndarray, waiting: np.ndarray, counters: np.ndarray, config: np.ndarray,
+                 num_running: int, num_free_blocks: int, num_new_blocks: int) -> bool:
+    """Whether the next step's phase 3 would admit the waiting head, given the running
+    rows (all decoding) and the blocks their decodes take in that step."""
+    budget = config[MAX_NUM_BATCHED_TOKENS] - num_running
+    if counters[NUM_WAITING] == 0 or budget <= 0 or num_running >= config[MAX_NUM_SEQS]:
+        return False
+    head = waiting[counters[WAITING_HEAD]]
+    num_needed = ceil_div(min(requests[head, PROMPT] + requests[head, GENERATED], budget), config[BLOCK_SIZE])
+    return num_free_blocks - num_new_blocks - num_needed >= config[WATERMARK_BLOCKS]
+
+
+@njit(cache=True)
+def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
+                 counters: np.ndarray, clock: np.ndarray, config: np.ndarray,
+                 latency: np.ndarray, linear_table_s: np.ndarray, until_s: float,
+                 max_num_steps: int, stop_row: int, blocks_by_phase: np.ndarray,
+                 remaining: np.ndarray) -> int:
+    """Run the decode-only steps ahead (0 if the next step is not one) and return how many.
+
+    A span holds while every running row decodes, no step preempts and the waiting head
+    cannot be admitted. Rows finish inside it (in the step their target is reached, as
+    stepping finishes them); a finish frees blocks, so admission is checked again before
+    the next step. Row ``r`` first needs a new block at span step
+    ``first_r = blocks * block_size - computed + 1`` (in ``1 .. block_size``), then every
+    ``block_size`` steps, so ``blocks_by_phase[(j - 1) % block_size]`` counts the blocks
+    step ``j`` takes. Step ``j`` reads ``sum(computed) + num_rows * j`` KV tokens over the
+    rows still running."""
+    num_running = counters[NUM_RUNNING]
+    if num_running == 0 or max_num_steps <= 0:
+        return 0
+    block_size = config[BLOCK_SIZE]
+    blocks_by_phase[:block_size] = 0
+    num_kv_tokens = 0
+    for k in range(num_running):
+        row = running[k]
+        generated = requests[row, GENERATED]
+        computed = requests[row, COMPUTED]
+        if generated == 0 or computed + 1 != requests[row, PROMPT] + generated:
+            return 0
+        first_block_step = requests[row, BLOCKS] * block_size - computed + 1
+        remaining[k] = requests[row, TARGET] - generated
+        if first_block_step < 1 or first_block_step > block_size or remaining[k] < 1:
+            return 0
+        blocks_by_phase[first_block_step - 1] += 1
+        num_kv_tokens += computed
+    num_free_blocks = counters[NUM_FREE_BLOCKS]
+    if blocks_by_phase[0] > num_free_blocks:
+        return 0  # the first step preempts
+    if admits_next(requests, waiting, counters, config, num_running, num_free_blocks, blocks_by_phase[0]):
+        return 0  # the first step admits
+    finish_order = np.argsort(remaining[:num_running])
+    num_finished = 0
+    num_active = num_running
+    num_steps = 0
+    now_s = clock[0]
+    while num_steps < max_num_steps and now_s < until_s:
+        num_new_blocks = blocks_by_phase[num_steps % block_size]
+        if num_new_blocks > num_free_blocks:
+            break  # this step preempts: left to step()
+        num_free_blocks -= num_new_blocks
+        num_steps += 1
+        now_s = now_s + step_seconds(latency, linear_table_s, 0, num_active,
+                                     num_kv_tokens + num_active * num_steps, 0)
+        if remaining[finish_order[num_finished]] != num_steps:
+            continue
+        stopped = False
+        while num_finished < num_running and remaining[finish_order[num_finished]] == num_steps:
+            k = finish_order[num_finished]
+            num_finished += 1
+            row = running[k]
+            computed = requests[row, COMPUTED]
+            first_block_step = requests[row, BLOCKS] * block_size - computed + 1
+            blocks_by_phase[first_block_step - 1] -= 1
+            num_free_blocks += requests[row, BLOCKS] + (num_steps - first_block_step) // block_size + 1 \
+                if num_steps >= first_block_step else requests[row, BLOCKS]
+            num_kv_tokens -= computed
+            num_active -= 1
+            times[row, FINISHED] = now_s
+            stopped = stopped or row == stop_row
+        if stopped or num_active == 0:
+            break
+        if admits_next(requests, waiting, counters, config, num_active, num_free_blocks,
+                        blocks_by_phase[num_steps % block_size]):
+            break
+    if num_steps == 0:
+        return 0
+    clock[0] = now_s
+    counters[NUM_FREE_BLOCKS] = num_free_blocks
+    num_kept = 0
+    for k in range(num_running):
+        row = running[k]
+        if remaining[k] <= num_steps:
+            requests[row, COMPUTED] += remaining[k]
+            requests[row, GENERATED] += remaining[k]
+            requests[row, BLOCKS] = 0  # given back at its finish (counted above)
+            continue
+        first_block_step = requests[row, BLOCKS] * block_size - requests[row, COMPUTED] + 1
+        if num_steps >= first_block_step:
+            requests[row, BLOCKS] += (num_steps - first_block_step) // block_size + 1
+        requests[row, COMPUTED] += num_steps
+        requests[row, GENERATED] += num_steps
+        running[num_kept] = row
+        num_kept += 1
+    counters[NUM_RUNNING] = num_kept
+    return num_steps
