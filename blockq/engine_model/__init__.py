@@ -1,7 +1,10 @@
 """A pure model of one vLLM engine instance: its scheduler and its step latency.
 
-No I/O, no clock, no randomness: time is passed in. The dispatcher's simulator and the
-emulated engine in the workers drive the very same :class:`EngineScheduler`.
+No I/O, no clock, no randomness: time is passed in. :class:`EngineScheduler` is the
+reference: the emulated engine in the workers runs it, and the dispatcher rebuilds its
+replicas with it. The dispatcher's what-if simulations run on
+:class:`~blockq.engine_model.packed.PackedScheduler`, the same scheduler packed into arrays
+and compiled, whose steps the tests check equal to the reference's, integers and times.
 """
 
 from blockq.engine_model.config import EngineConfig
