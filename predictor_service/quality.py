@@ -12,8 +12,10 @@ Alerts (returned by :meth:`QualityMonitor.ingest`, never raised):
 - ``prompt_drift``: PSI above ``psi_threshold`` (default 0.25, the usual "major shift").
 
 Each alert fires once when its condition starts to hold (with at least
-``min_samples`` records in the window) and re-arms once the condition clears, so a
-persistent problem does not produce one alert per request. No clock, no I/O.
+``min_samples`` records in the window) and re-arms once the figure is back past its
+threshold by a margin (Acc-50 5 points above the floor; PSI below 80 % of its threshold),
+so that neither a persistent problem nor a figure hovering at the threshold produces one
+alert per request. No clock, no I/O.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from predictor_service.manifest import Manifest
 ACCURACY_DROP = "accuracy_drop"
 PROMPT_DRIFT = "prompt_drift"
 _PSI_FLOOR = 1e-4
+# Hysteresis: how far back past its threshold a figure must come before its alert re-arms.
+ACC50_REARM_POINTS = 5.0
+PSI_REARM_FRACTION = 0.8
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,7 @@ class QualityMonitor:
         conditions = {
             ACCURACY_DROP: (
                 snapshot.rolling_acc50 < acc50_floor,
+                snapshot.rolling_acc50 >= acc50_floor + ACC50_REARM_POINTS / 100.0,
                 snapshot.rolling_acc50,
                 acc50_floor,
                 f"rolling Acc-50 {snapshot.rolling_acc50:.1%} is more than "
@@ -185,13 +191,14 @@ class QualityMonitor:
             ),
             PROMPT_DRIFT: (
                 snapshot.prompt_psi > self.psi_threshold,
+                snapshot.prompt_psi < self.psi_threshold * PSI_REARM_FRACTION,
                 snapshot.prompt_psi,
                 self.psi_threshold,
                 f"prompt-length PSI {snapshot.prompt_psi:.3f} exceeds {self.psi_threshold:g}",
             ),
         }
         alerts = []
-        for kind, (holds, value, threshold, message) in conditions.items():
+        for kind, (holds, clears, value, threshold, message) in conditions.items():
             if holds and kind not in self._active_alerts:
                 self._active_alerts.add(kind)
                 alerts.append(
@@ -204,6 +211,6 @@ class QualityMonitor:
                         message=message,
                     )
                 )
-            elif not holds:
+            elif clears:
                 self._active_alerts.discard(kind)
         return alerts

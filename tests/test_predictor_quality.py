@@ -74,6 +74,26 @@ def test_prompt_drift_alert_when_lengths_shift() -> None:
     assert monitor.snapshot().prompt_psi > 0.25
 
 
+def test_prompt_drift_hovering_at_the_threshold_alerts_once() -> None:
+    monitor = _monitor()
+    matching = [5, 5, 5, 50, 50, 50, 50, 500, 500, 500]  # the training shares 0.3 / 0.4 / 0.3
+    for index in range(50):
+        monitor.ingest(100, 100, prompt_tokens=matching[index % 10])
+    kinds: list[str] = []
+    psi_values = []
+    for prompt_tokens in [500] * 16 + [50, 500, 50, 500, 50, 500]:  # up past 0.25, then around it
+        kinds += [alert.kind for alert in monitor.ingest(100, 100, prompt_tokens=prompt_tokens)]
+        psi_values.append(monitor.snapshot().prompt_psi)
+    assert min(psi_values[16:]) < 0.25 < max(psi_values[16:])  # it did cross back and forth
+    assert min(psi_values[16:]) > 0.2
+    assert kinds == [PROMPT_DRIFT]
+    for index in range(50):  # back to the training mix: PSI near 0, re-armed
+        monitor.ingest(100, 100, prompt_tokens=matching[index % 10])
+    for _ in range(30):
+        kinds += [alert.kind for alert in monitor.ingest(100, 100, prompt_tokens=5000)]
+    assert kinds == [PROMPT_DRIFT, PROMPT_DRIFT]
+
+
 def test_psi_is_zero_for_identical_distributions() -> None:
     assert population_stability_index([0.2, 0.8], [0.2, 0.8]) == 0.0
     assert population_stability_index([0.5, 0.5], [0.9, 0.1]) > 0.25
