@@ -36,7 +36,7 @@ from blockq.engine_model.packed_step import step
 @njit(cache=True)
 def _scratch(capacity: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                                                       np.ndarray, np.ndarray, np.ndarray]:
-    """Scratch space for :func:`step` (per row, clean) and :func:`_decode_span`."""
+    """Scratch space for :func:`step` (per row, clean) and :func:`.packed_span.decode_span`."""
     return (np.zeros(capacity, np.int64), np.zeros(capacity, np.int64), np.zeros(capacity, np.bool_),
             np.empty(capacity, np.int64), np.empty(capacity, np.int64), np.empty(max(block_size, 1), np.int64),
             np.empty(capacity, np.int64))
@@ -60,8 +60,8 @@ def simulate(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiti
         if clock[0] >= until_s or num_steps >= max_steps:
             return num_steps
         num_jumped = decode_span(requests, times, running, waiting, counters, clock, config, latency,
-                                  linear_table_s, until_s, max_steps - num_steps, stop_row,
-                                  blocks_by_phase, remaining)
+                                 linear_table_s, until_s, max_steps - num_steps, stop_row,
+                                 blocks_by_phase, remaining)
         if num_jumped:
             num_steps += num_jumped
             continue
@@ -94,7 +94,7 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
     while counters[NUM_WAITING] > 0:
         # A decode span never admits anyone (its first step could not), so it keeps the queue.
         if decode_span(requests, times, running, waiting, counters, clock, config, latency,
-                        linear_table_s, np.inf, 1 << 62, -1, blocks_by_phase, remaining):
+                       linear_table_s, np.inf, 1 << 62, -1, blocks_by_phase, remaining):
             continue
         saved_requests[:] = requests
         saved_times[:] = times

@@ -32,7 +32,7 @@ from blockq.engine_model.packed_step import ceil_div, step_seconds
 
 @njit(cache=True)
 def admits_next(requests: np.ndarray, waiting: np.ndarray, counters: np.ndarray, config: np.ndarray,
-                 num_running: int, num_free_blocks: int, num_new_blocks: int) -> bool:
+                num_running: int, num_free_blocks: int, num_new_blocks: int) -> bool:
     """Whether the next step's phase 3 would admit the waiting head, given the running
     rows (all decoding) and the blocks their decodes take in that step."""
     budget = config[MAX_NUM_BATCHED_TOKENS] - num_running
@@ -45,10 +45,10 @@ def admits_next(requests: np.ndarray, waiting: np.ndarray, counters: np.ndarray,
 
 @njit(cache=True)
 def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
-                 counters: np.ndarray, clock: np.ndarray, config: np.ndarray,
-                 latency: np.ndarray, linear_table_s: np.ndarray, until_s: float,
-                 max_num_steps: int, stop_row: int, blocks_by_phase: np.ndarray,
-                 remaining: np.ndarray) -> int:
+                counters: np.ndarray, clock: np.ndarray, config: np.ndarray,
+                latency: np.ndarray, linear_table_s: np.ndarray, until_s: float,
+                max_num_steps: int, stop_row: int, blocks_by_phase: np.ndarray,
+                remaining: np.ndarray) -> int:
     """Run the decode-only steps ahead (0 if the next step is not one) and return how many.
 
     A span holds while every running row decodes, no step preempts and the waiting head
