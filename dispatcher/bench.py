@@ -3,9 +3,10 @@
 Pure mode (default, no Redis): ``--instances`` instances, each starting with ``--running``
 running and ``--waiting`` waiting requests of ShareGPT-like lengths; ``--requests``
 decisions on a virtual clock at ``--rate`` requests/s. Every decision's request is
-recorded on the chosen instance (as the dispatcher does), and every 100 ms of virtual
-time each instance sends a fresh heartbeat built from its replica, so the replicas are
-rebuilt at the real rate. Reports per-decision wall time (choosing plus recording the assignment) and, apart, the
+recorded on the chosen instance (as the dispatcher does) and given to that instance's
+engine (a reference scheduler advanced in virtual time); every 100 ms of virtual time
+each engine sends a fresh heartbeat, so the replicas are rebuilt at the real rate.
+Reports per-decision wall time (choosing plus recording the assignment) and, apart, the
 time spent applying heartbeats (which is where replicas are rebuilt). Start-up work is
 done before the clock starts, as the dispatcher does it (:func:`prepare_for_decisions`).
 
