@@ -108,10 +108,6 @@ class PackedScheduler:
         """Preemptions since this state was packed (clones carry the count on)."""
         return int(self.counters[layout.NUM_PREEMPTIONS])
 
-    @property
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.counters[layout.NUM_RUNNING] or self.counters[layout.NUM_WAITING])
-
     def running_rows(self) -> list[int]:
         return self.running[:self.counters[layout.NUM_RUNNING]].tolist()
 
@@ -121,9 +117,6 @@ class PackedScheduler:
 
     def finished_at_s(self, row: int) -> float | None:
         return _time_or_none(self.times[row, layout.FINISHED])
-
-    def first_token_at_s(self, row: int) -> float | None:
-        return _time_or_none(self.times[row, layout.FIRST_TOKEN])
 
     def request(self, row: int) -> EngineRequest:
         """Row ``row`` as an :class:`EngineRequest` (a copy; for inspection and tests)."""
