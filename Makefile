@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch requirement pulls a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[predictor,test]"
-	# Compile the dispatcher's simulation kernel once (about 15 s); processes load it from disk.
+	# Compile the dispatcher's simulation kernel once (about 13 s); processes load it from disk.
 	$(BIN)/python -c "from blockq.engine_model.packed import warm_up; warm_up()"
 	touch $(STAMP)
 
