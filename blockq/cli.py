@@ -255,9 +255,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="compare policies on fresh emulated clusters (table, JSON, plots)")
     loadgen_cli.add_bench_arguments(p)
     p.set_defaults(handler=loadgen_cli.run_bench_command)
-    p = sub.add_parser("demo", help="a short bench on a synthetic trace (about two minutes)")
+    from loadgen.simulation import cli as simulation_cli
+
+    p = sub.add_parser("simulate", help="bench in virtual time: the same dispatcher and engine code, "
+                                        "deterministic (run | capacity)")
+    simulation_cli.add_simulate_arguments(p)
+    p.set_defaults(handler=simulation_cli.run_simulate_command)
+    p = sub.add_parser("demo", help="a short live replay, then a simulated comparison at the paper's scale")
     loadgen_cli.add_demo_arguments(p)
-    p.set_defaults(handler=loadgen_cli.run_bench_command)
+    p.set_defaults(handler=loadgen_cli.run_demo_command)
 
 
 def _add_bench_engine(sub: argparse._SubParsersAction) -> None:

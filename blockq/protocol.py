@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -430,9 +430,9 @@ INSTANCE_STATES = ("joining", "live", "draining", "stopped")
 MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
 
 
-@dataclass(frozen=True, slots=True)
-class RequestProgress:
-    """One request as an engine reports it in a heartbeat."""
+class RequestProgress(NamedTuple):
+    """One request as an engine reports it in a heartbeat (a named tuple: a worker builds
+    one per request per beat, so it must be cheap to build)."""
 
     request_id: str
     prompt_tokens: int
@@ -442,8 +442,7 @@ class RequestProgress:
     p90_tokens: int | None = None
 
     def to_list(self) -> list[Any]:
-        return [self.request_id, self.prompt_tokens, self.num_computed_tokens,
-                self.num_generated_tokens, self.predicted_output_tokens, self.p90_tokens]
+        return list(self)
 
     @classmethod
     def from_list(cls, values: list[Any]) -> RequestProgress:

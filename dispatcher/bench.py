@@ -32,8 +32,7 @@ from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
 from blockq.keys import PAYLOAD_FIELD, Keys
 from blockq.protocol import Heartbeat, Prediction, Request, RequestProgress, decode_request, encode
 from blockq.streams import connect_async
-from dispatcher.cluster_view import ClusterView
-from dispatcher.policies import TRUE_LENGTH_POLICIES, make_policy
+from dispatcher.core import DispatcherCore, Placed
 from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for_decisions
 from workers.bench import sharegpt_like_lengths
 
@@ -66,6 +65,14 @@ def loaded_scheduler(rng: random.Random, preset: str, num_running: int, num_wait
     return scheduler
 
 
+def advance_engine(engine: EngineScheduler, until_s: float) -> None:
+    """Step ``engine`` while it has work and its clock is before ``until_s`` (the last step
+    may end after it); when it runs out of work first, move its clock forward to ``until_s``."""
+    while engine.now_s < until_s and engine.step() is not None:
+        pass
+    engine.now_s = max(engine.now_s, until_s)
+
+
 def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at_s: float,
                  preset: str, finished_ids: tuple[str, ...] = ()) -> Heartbeat:
     def progress(request: EngineRequest) -> RequestProgress:
@@ -89,14 +96,13 @@ def bench_decisions(*, policy: str = "block", instances: int = 16, running: int 
     """Per-decision wall time of ``policy`` on one core, no Redis."""
     rng = random.Random(seed)
     keys = Keys()
-    view = ClusterView(use_true_lengths=policy in TRUE_LENGTH_POLICIES)
-    chosen_policy = make_policy(policy, view, seed=seed, objective=objective)
+    core = DispatcherCore(policy, seed=seed, objective=objective)
     # The "real" instances the beats come from: advanced in virtual time with what they get.
     engines = {f"i{k}": loaded_scheduler(rng, preset, running, waiting) for k in range(instances)}
     seq = 1
     for instance_id, engine in engines.items():
-        view.apply_heartbeat(heartbeat_of(instance_id, engine, seq, 0.0, preset), 0.0)
-    prepare_for_decisions(view)
+        core.apply_heartbeat(heartbeat_of(instance_id, engine, seq, 0.0, preset), 0.0)
+    prepare_for_decisions(core)
     next_beat_s = HEARTBEAT_INTERVAL_S
     decision_s: list[float] = []
     beat_s: list[float] = []
@@ -105,18 +111,19 @@ def bench_decisions(*, policy: str = "block", instances: int = 16, running: int 
         if now_s >= next_beat_s:
             seq += 1
             for instance_id, engine in engines.items():
-                engine.run_until(now_s)
+                advance_engine(engine, now_s)
                 beat = heartbeat_of(instance_id, engine, seq, now_s, preset)
                 started = time.perf_counter()
-                view.apply_heartbeat(beat, now_s)
+                core.apply_heartbeat(beat, now_s)
                 beat_s.append(time.perf_counter() - started)
             next_beat_s += HEARTBEAT_INTERVAL_S
         request = make_request(rng, keys)
         started = time.perf_counter()
-        decision = chosen_policy.choose(request, view.live_instances(), now_s)
-        view.record_assignment(decision.instance_id, request)
+        (outcome,) = core.place([request], now_s)
         decision_s.append(time.perf_counter() - started)
-        engine = engines[decision.instance_id]
+        if not isinstance(outcome, Placed) or outcome.request.assignment is None:
+            raise RuntimeError(f"dispatch-bench: {policy} did not place a request ({outcome})")
+        engine = engines[outcome.request.assignment.instance_id]
         engine.add_request(EngineRequest(request.id, request.prediction.prompt_tokens,  # type: ignore[union-attr]
                                          request.true_output_tokens or 1, arrival_s=engine.now_s))
     times_ms = np.array(decision_s) * 1000
@@ -168,7 +175,7 @@ async def bench_placements(redis_url: str, *, policy: str = "round_robin", insta
 
     await publish_beats(1)
     await dispatcher.follow_heartbeats()
-    prepare_for_decisions(dispatcher.view)
+    prepare_for_decisions(dispatcher.core)
     pipe = client.pipeline(transaction=False)
     for _ in range(requests):
         pipe.xadd(keys.ready, {PAYLOAD_FIELD: encode(make_request(rng, keys))})

@@ -10,13 +10,13 @@ import socket
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import connect_async
 from dispatcher.forecast import OBJECTIVES
-from dispatcher.policies import POLICY_FACTORIES
+from dispatcher.policies import POLICIES
 from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for_decisions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument("--policy", default="round_robin", choices=sorted(POLICY_FACTORIES))
+    parser.add_argument("--policy", default="round_robin", choices=sorted(POLICIES))
     parser.add_argument("--objective", default="e2e", choices=OBJECTIVES,
                         help="what block/power_of_two/oracle minimise (model-time seconds)")
     parser.add_argument("--seed", type=int, default=None, help="seed for randomised policies and tie breaks")
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
             client, settings, args.policy, seed=args.seed, objective=args.objective,
             dispatcher_id=args.dispatcher_id or f"dispatch-{socket.gethostname()}-{os.getpid()}",
             options=DispatcherOptions(batch_size=args.batch_size, dead_after_s=args.dead_after_s))
-        prepare_for_decisions(dispatcher.view)
+        prepare_for_decisions(dispatcher.core)
         try:
             await dispatcher.run(stop)
         finally:

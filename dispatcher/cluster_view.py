@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from blockq.engine_model import EngineConfig, StepLatencyModel, get_preset
 from blockq.health import HealthPolicy
 from blockq.protocol import Heartbeat, Request
+from dispatcher.lengths import check_length_mode
 from dispatcher.replica import InstanceReplica
 
 
@@ -61,15 +62,17 @@ class InstanceView:
 class ClusterView:
     """Instances by id, updated by :meth:`apply_heartbeat` and :meth:`refresh_health`."""
 
-    def __init__(self, health_policy: HealthPolicy | None = None, *, use_true_lengths: bool = False,
-                 resync_interval_s: float = 0.3) -> None:
+    def __init__(self, health_policy: HealthPolicy | None = None, *, keep_replicas: bool = False,
+                 lengths: str = "median", resync_interval_s: float = 0.3) -> None:
+        """``keep_replicas``: every live instance gets a scheduler replica from its first
+        beat on, rebuilt on the heartbeat path (for policies that simulate); otherwise a
+        replica is made only when :meth:`replica` is first asked for one. ``lengths``: the
+        output lengths the replicas simulate with (:data:`dispatcher.lengths.LENGTH_MODES`)."""
         self.health_policy = health_policy or HealthPolicy()
         self.instances: dict[str, InstanceView] = {}
-        self.use_true_lengths = use_true_lengths
+        self.keep_replicas = keep_replicas
+        self.lengths = check_length_mode(lengths)
         self.resync_interval_s = resync_interval_s
-        # Set by policies that simulate: every instance then gets a replica, kept on the
-        # heartbeat path, from its first beat on.
-        self.keep_replicas = False
 
     def replica(self, view: InstanceView, now_wall_s: float) -> InstanceReplica:
         """``view``'s scheduler replica, advanced to ``now_wall_s`` along its own trajectory
@@ -89,8 +92,16 @@ class ClusterView:
         beat when at least ``resync_interval_s`` has passed since its last rebuild: a
         rebuild invalidates the instance's cached future, so rebuilding on each 100 ms
         beat would cost more than it corrects. The rebuild happens here, on the heartbeat
-        path, so that placement decisions do not pay for it."""
+        path, so that placement decisions do not pay for it.
+
+        Raises:
+            ValueError: when replicas are kept and the beat's engine config or latency
+                model cannot be used; nothing is changed then.
+        """
         view = self.instances.get(beat.instance_id)
+        if self._needs_check(view, beat):
+            EngineConfig.from_dict(beat.engine_config)
+            _latency_model(beat)
         if view is None:
             view = InstanceView(beat.instance_id, beat, now_s)
             self.instances[beat.instance_id] = view
@@ -107,8 +118,17 @@ class ClusterView:
             self._rebuild(view, now_s)
         return view
 
+    def _needs_check(self, view: InstanceView | None, beat: Heartbeat) -> bool:
+        """Whether ``beat``'s engine config and latency model must be checked before it is
+        applied: a replica will be built from them and they are new (the same dicts as the
+        last beat's were checked then)."""
+        if not self.keep_replicas and (view is None or view.replica is None):
+            return False
+        return (view is None or view.replica is None or beat.engine_config != view.heartbeat.engine_config
+                or beat.latency_model != view.heartbeat.latency_model)
+
     def _create_replica(self, view: InstanceView, now_wall_s: float) -> None:
-        view.replica = InstanceReplica(view.config, _latency_model(view.heartbeat), use_truth=self.use_true_lengths)
+        view.replica = InstanceReplica(view.config, _latency_model(view.heartbeat), lengths=self.lengths)
         self._rebuild(view, now_wall_s)
 
     def _rebuild(self, view: InstanceView, now_wall_s: float) -> None:
@@ -140,16 +160,17 @@ class ClusterView:
         return newly_dead
 
     def record_assignment(self, instance_id: str, request: Request) -> None:
+        """Record a request placed on ``instance_id``. Its replica (if any) takes it first:
+        when the replica refuses it (ValueError), nothing is recorded."""
         view = self.instances[instance_id]
+        if view.replica is not None:
+            # The replica always holds what was assigned since its rebuild (the next
+            # rebuild re-adds whatever its beat does not show yet).
+            view.replica.add_assignment(request)
         view.assigned_not_seen[request.id] = request
         view.num_assigned_total += 1
         if request.priority == "batch":
             view.batch_request_ids.add(request.id)
-        if view.replica is None:
-            return
-        # The replica always holds what was assigned since its rebuild (the next rebuild
-        # re-adds whatever its beat does not show yet).
-        view.replica.add_assignment(request)
 
     def live_instances(self) -> list[InstanceView]:
         """Instances that may receive new requests, in a stable (id) order."""

@@ -5,17 +5,23 @@ distribution: median p50, and sigma from the p10–p90 spread (``ln(p90/p10) / (
 
 For a request that has already generated ``g`` tokens, the stale point estimate is the
 wrong number to simulate with: if ``g`` is past p50, it says "finishes now" for a request
-that has shown it is long. We use the median of the distribution *conditioned on L > g*:
-``exp(mu + sigma · Φ⁻¹((1 + Φ(z)) / 2))`` with ``z = (ln g − mu) / sigma``.
+that has shown it is long. We use a quantile of the distribution *conditioned on L > g*:
+``exp(mu + sigma · Φ⁻¹(Φ(z) + q · (1 − Φ(z))))`` with ``z = (ln g − mu) / sigma`` (q = 0.5:
+the conditional median).
+
+Which length a replica simulates with is one value, a :data:`LENGTH_MODES` name, handed to
+the dispatcher core once: ``median`` (the conditional median), ``upper`` (the conditional
+p90) or ``truth`` (the recorded length of a trace replay; benchmarks only).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import NormalDist
 
 _Z90 = 1.2815515655446004  # Φ⁻¹(0.9)
+LENGTH_MODES = ("median", "upper", "truth")
 _STANDARD_NORMAL = NormalDist()
 
 # When a request carries no prediction at all: a ShareGPT-like spread around 250 tokens.
@@ -30,34 +36,48 @@ class LengthBelief:
     p10_tokens: int
     p90_tokens: int
     true_tokens: int | None = None   # known only in trace replays; used by the oracle policy
+    sigma: float = field(init=False, compare=False)  # of ln(length), from the p10-p90 spread
 
-    @property
-    def sigma(self) -> float:
+    def __post_init__(self) -> None:
+        # Computed once: every replica rebuild reads it for each request it restores.
         p10 = max(1, min(self.p10_tokens, self.p50_tokens))
         p90 = max(self.p50_tokens, self.p90_tokens, p10 + 1)
-        return max(0.05, math.log(p90 / p10) / (2 * _Z90))
+        object.__setattr__(self, "sigma", max(0.05, math.log(p90 / p10) / (2 * _Z90)))
 
-    def remaining_target(self, num_generated_tokens: int, *, use_truth: bool = False) -> int:
-        """Total output tokens to simulate for a request that produced ``num_generated_tokens``;
-        always > ``num_generated_tokens``."""
-        if use_truth and self.true_tokens is not None:
+    def remaining_target(self, num_generated_tokens: int, lengths: str = "median") -> int:
+        """Total output tokens to simulate, under the ``lengths`` mode, for a request that
+        produced ``num_generated_tokens``; always > ``num_generated_tokens``. ``truth``
+        without a recorded length falls back to the median."""
+        if lengths == "truth" and self.true_tokens is not None:
             return max(self.true_tokens, num_generated_tokens + 1)
+        if lengths == "upper":
+            return max(conditional_quantile(self.p50_tokens, self.sigma, num_generated_tokens, 0.9),
+                       self.p90_tokens, num_generated_tokens + 1)
         if num_generated_tokens < max(1, self.p10_tokens) // 2:
             # Early on, conditioning barely moves the median: skip the normal-cdf math.
             return max(self.p50_tokens, num_generated_tokens + 1)
-        return max(conditional_median(self.p50_tokens, self.sigma, num_generated_tokens), num_generated_tokens + 1)
+        return max(conditional_quantile(self.p50_tokens, self.sigma, num_generated_tokens, 0.5),
+                   num_generated_tokens + 1)
 
 
-def conditional_median(p50_tokens: int, sigma: float, num_generated_tokens: int) -> int:
-    """Median of a lognormal(ln p50, sigma) length given that it exceeds ``num_generated_tokens``."""
-    if num_generated_tokens <= 0:
-        return p50_tokens
+def check_length_mode(lengths: str) -> str:
+    """``lengths`` if it names a mode; ValueError naming the field otherwise."""
+    if lengths not in LENGTH_MODES:
+        raise ValueError(f"lengths: must be one of {', '.join(LENGTH_MODES)} (got {lengths!r})")
+    return lengths
+
+
+def conditional_quantile(p50_tokens: int, sigma: float, num_generated_tokens: int, quantile: float) -> int:
+    """The ``quantile`` of a lognormal(ln p50, sigma) length given that it exceeds
+    ``num_generated_tokens``."""
     mu = math.log(max(1, p50_tokens))
+    if num_generated_tokens <= 0:
+        return int(round(math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(quantile))))
     z = (math.log(num_generated_tokens) - mu) / sigma
     tail_start = _STANDARD_NORMAL.cdf(z)
-    # Median of the truncated distribution: the point halfway through the remaining mass.
-    quantile = min(1 - 1e-12, (1 + tail_start) / 2)
-    return int(round(math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(quantile))))
+    # The point that far through the remaining mass.
+    level = min(1 - 1e-12, tail_start + quantile * (1 - tail_start))
+    return int(round(math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(level))))
 
 
 def belief_from_prediction(p50_tokens: int | None, p10_tokens: int | None = None, p90_tokens: int | None = None,

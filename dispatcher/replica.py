@@ -34,7 +34,7 @@ from blockq.engine_model import (
 from blockq.engine_model.packed import PackedScheduler
 from blockq.engine_model.packed_layout import FINISHED
 from blockq.protocol import Heartbeat, Request, RequestProgress
-from dispatcher.lengths import LengthBelief, belief_from_prediction
+from dispatcher.lengths import LengthBelief, belief_from_prediction, check_length_mode
 
 REFIT_EVERY_BEATS = 50
 MAX_REFIT_SAMPLES = 2000
@@ -84,10 +84,10 @@ def prompt_tokens_of(request: Request) -> int:
 class InstanceReplica:
     """A scheduler replica of one instance (model time), plus what it needs to rebuild."""
 
-    def __init__(self, config: EngineConfig, latency_model: StepLatencyModel, *, use_truth: bool = False) -> None:
+    def __init__(self, config: EngineConfig, latency_model: StepLatencyModel, *, lengths: str = "median") -> None:
         self.config = config
         self.latency_model = latency_model
-        self.use_truth = use_truth
+        self.lengths = check_length_mode(lengths)  # which output lengths this replica simulates with
         self.scheduler = PackedScheduler(config, latency_model)
         self.beliefs: dict[str, LengthBelief] = {}
         self._samples: deque[StepSample] = deque(maxlen=MAX_REFIT_SAMPLES)
@@ -159,18 +159,13 @@ class InstanceReplica:
         """Remember the latest what-if run (see :meth:`add_assignment`)."""
         self._what_if = what_if
 
-    def request_size(self, request: Request, *, use_truth: bool | None = None,
-                     upper: bool = False) -> tuple[int, int]:
-        """(prompt tokens, output tokens to simulate) for a new request on this instance:
-        the median of its predicted length, or with ``upper`` its upper quantile (p90);
-        its true length when simulating with truth."""
+    def request_size(self, request: Request, *, lengths: str | None = None) -> tuple[int, int]:
+        """(prompt tokens, output tokens to simulate) for a new request on this instance,
+        under this replica's length mode, or under ``lengths`` when a caller asks for
+        another one for this request alone (e.g. its upper quantile)."""
         belief = self.beliefs.get(request.id) or belief_of(request)
-        truth = self.use_truth if use_truth is None else use_truth
         prompt_tokens = min(prompt_tokens_of(request), self.config.max_model_len - 1)
-        output_tokens = belief.remaining_target(0, use_truth=truth)
-        if upper and not (truth and belief.true_tokens is not None):
-            output_tokens = max(output_tokens, belief.p90_tokens)
-        return prompt_tokens, output_tokens
+        return prompt_tokens, belief.remaining_target(0, lengths or self.lengths)
 
     def baseline(self) -> Baseline:
         """The replica's future without a new request, simulated once per version (a
@@ -193,7 +188,7 @@ class InstanceReplica:
             belief = self.beliefs.get(item.request_id) or belief_from_prediction(
                 item.predicted_output_tokens, None, item.p90_tokens)
             prompt_tokens = min(item.prompt_tokens, self.config.max_model_len - 1)
-            target = belief.remaining_target(item.num_generated_tokens, use_truth=self.use_truth)
+            target = belief.remaining_target(item.num_generated_tokens, self.lengths)
             target = min(target, self.config.max_model_len - prompt_tokens)
             if item.num_generated_tokens >= target:
                 continue  # at its length limit: finishes on its next token, nothing to model

@@ -1,12 +1,15 @@
 """The dispatcher service: ``ready`` → choose an instance → ``inst:{id}``.
 
-One active leader per cluster (a lease in Redis); standbys wait for the lease. The
-leader follows every heartbeat (plain XREAD: each dispatcher sees all beats), reads
-``ready`` in batches through the ``dispatch`` group, places each request in order (each
-decision sees the previous ones through the cluster view) and writes all queue XADDs
-and ACKs of a batch in one pipeline. Requests that cannot be placed (no live instance)
-stay un-ACKed in memory and are retried; they are never dropped. When an instance
-dies, the entries still in its queue are placed again on live instances.
+The decisions are :class:`~dispatcher.core.DispatcherCore`'s; this module is its I/O
+shell: reading, writing, the lease and one ``now_s`` per batch (the wall clock). One
+active leader per cluster (a lease in Redis); standbys wait for the lease. The leader
+follows every heartbeat (plain XREAD: each dispatcher sees all beats; a beat the core
+rejects is logged and skipped), reads ``ready`` in batches through the ``dispatch``
+group, has the core place each request in order (each decision sees the previous ones)
+and writes all queue XADDs and ACKs of a batch in one pipeline. Requests that cannot be
+placed (no live instance) stay un-ACKed in memory and are retried; they are never
+dropped. When an instance dies, the entries still in its queue are placed again on live
+instances.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import asyncio
 import gc
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -24,18 +28,10 @@ from blockq.config import Settings
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
 from blockq.health import HealthPolicy
 from blockq.keys import GROUP_DISPATCH, PAYLOAD_FIELD
-from blockq.protocol import (
-    Assignment,
-    Request,
-    ValidationError,
-    decode_heartbeat,
-    decode_request,
-    encode,
-)
+from blockq.protocol import Request, ValidationError, decode_heartbeat, decode_request, encode
 from blockq.streams import GroupConsumer, StreamEntry
-from dispatcher.cluster_view import ClusterView, InstanceView
-from dispatcher.policies import TRUE_LENGTH_POLICIES, Policy, make_policy
-from dispatcher.priority import eligible_candidates
+from dispatcher.cluster_view import ClusterView
+from dispatcher.core import DispatcherCore, Held, Placed
 
 log = structlog.get_logger(__name__)
 
@@ -60,14 +56,17 @@ class DispatcherOptions:
 
 
 class Dispatcher:
-    """Places annotated requests on instances with a :class:`Policy`."""
+    """Places annotated requests on instances with a :class:`DispatcherCore`."""
 
-    def __init__(self, client: aioredis.Redis, settings: Settings, policy: Policy, cluster_view: ClusterView, *,
-                 dispatcher_id: str, options: DispatcherOptions | None = None) -> None:
+    def __init__(self, client: aioredis.Redis, settings: Settings, core: DispatcherCore, *,
+                 dispatcher_id: str, options: DispatcherOptions | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``clock``: wall seconds, read once per batch of beats and once per batch of
+        requests; the core decides with what it says."""
         self.client = client
+        self.clock = clock
         self.settings = settings
-        self.policy = policy
-        self.view = cluster_view
+        self.core = core
         self.dispatcher_id = dispatcher_id
         self.options = options or DispatcherOptions()
         self.keys = settings.keys
@@ -79,11 +78,18 @@ class Dispatcher:
         # entries XAUTOCLAIM hands back then are ones this dispatcher already holds.
         self._unplaced_ids: set[str] = set()
         self._last_beat_id = "0-0"
-        self._queues_to_redispatch: dict[str, InstanceView] = {}
+        self._queues_to_redispatch: set[str] = set()
         self._last_num_placed = 0
         self._renew_lease = client.register_script(_RENEW_LEASE)
         self.num_placed = 0
-        self.decision_ms: deque[float] = deque(maxlen=10_000)
+
+    @property
+    def view(self) -> ClusterView:
+        return self.core.view
+
+    @property
+    def decision_ms(self) -> deque[float]:
+        return self.core.stats.decision_ms
 
     # --- leadership ---------------------------------------------------------------------
 
@@ -125,11 +131,10 @@ class Dispatcher:
         """One round: follow beats, re-place the queues of dead instances, place a batch.
         Returns the number of requests placed."""
         await self.follow_heartbeats()
-        for dead in self.view.refresh_health(time.time()):
-            self._queues_to_redispatch[dead.instance_id] = dead
-        for instance_id, dead in list(self._queues_to_redispatch.items()):
-            if dead.health != "dead" or await self.redispatch_queue(dead) is not None:
-                del self._queues_to_redispatch[instance_id]
+        self._queues_to_redispatch.update(self.core.refresh_health(self.clock()))
+        for instance_id in sorted(self._queues_to_redispatch):
+            if self.view.instances[instance_id].health != "dead" or await self.redispatch_queue(instance_id) is not None:
+                self._queues_to_redispatch.discard(instance_id)
         entries: list[StreamEntry] = []
         if len(self.unplaced) < self.options.max_unplaced:
             # Requests in hand that could be placed: poll briefly. Only held (batch) work,
@@ -146,13 +151,17 @@ class Dispatcher:
             reply = await self.client.xread({self.keys.heartbeats: self._last_beat_id}, count=1000)
             if not reply:
                 return
-            now_s = time.time()
+            now_s = self.clock()
             for entry_id, fields in reply[0][1]:
                 self._last_beat_id = entry_id.decode()
                 try:
-                    self.view.apply_heartbeat(decode_heartbeat(fields[PAYLOAD_FIELD.encode()]), now_s)
+                    problem = self.core.apply_heartbeat(decode_heartbeat(fields[PAYLOAD_FIELD.encode()]), now_s)
                 except (ValidationError, KeyError, TypeError) as exc:
-                    log.warning("bad_heartbeat", entry_id=self._last_beat_id, error=str(exc))
+                    problem = f"{type(exc).__name__}: {exc}"
+                    self.core.stats.num_beats_rejected += 1
+                if problem is not None:
+                    log.warning("heartbeat_rejected", entry_id=self._last_beat_id, error=problem,
+                                num_rejected=self.core.stats.num_beats_rejected)
             if len(reply[0][1]) < 1000:
                 return
 
@@ -169,82 +178,66 @@ class Dispatcher:
                 self._unplaced_ids.add(entry.entry_id)
             except ValidationError as exc:
                 self.consumer.dead_letter(pipe, entry, str(exc))
-        live = self.view.live_instances()
+        queued = list(self.unplaced)
+        self.unplaced.clear()
         num_placed = 0
-        held: deque[tuple[StreamEntry, Request]] = deque()
-        while self.unplaced and live:
-            entry, request = self.unplaced.popleft()
-            candidates = eligible_candidates(request, live)
-            if not candidates:  # batch work waits for idle capacity; interactive work goes on
-                held.append((entry, request))
+        now_s = self.clock()
+        for (entry, _), outcome in zip(queued, self.core.place([r for _, r in queued], now_s), strict=True):
+            if isinstance(outcome, Held):
+                self.unplaced.append((entry, outcome.request))
                 continue
             self._unplaced_ids.discard(entry.entry_id)
-            try:
-                placed = self._assign(request, candidates)
-            except ValueError as exc:  # the policy cannot place this request (e.g. oracle without truth)
-                self.consumer.dead_letter(pipe, entry, f"placement failed: {exc}")
-                continue
-            pipe.xadd(self.keys.instance_queue(placed.assignment.instance_id), {PAYLOAD_FIELD: encode(placed)})
-            self.consumer.ack(pipe, [entry.entry_id])
-            num_placed += 1
-        self.unplaced.extendleft(reversed(held))
+            if isinstance(outcome, Placed):
+                placed = outcome.request
+                pipe.xadd(self.keys.instance_queue(placed.assignment.instance_id),  # type: ignore[union-attr]
+                          {PAYLOAD_FIELD: encode(placed)})
+                self.consumer.ack(pipe, [entry.entry_id])
+                num_placed += 1
+            else:
+                self.consumer.dead_letter(pipe, entry, outcome.reason)
         self._last_num_placed = num_placed
         if len(pipe):
             await pipe.execute()
         self.num_placed += num_placed
         return num_placed
 
-    def _assign(self, request: Request, candidates: list[InstanceView]) -> Request:
-        started = time.perf_counter()
-        now_s = time.time()
-        decision = self.policy.choose(request, candidates, now_s)
-        decision_ms = (time.perf_counter() - started) * 1000
-        self.decision_ms.append(decision_ms)
-        placed = request.with_assignment(Assignment(
-            instance_id=decision.instance_id, policy=self.policy.name, decided_at_s=now_s,
-            decision_ms=decision_ms, predicted_ttft_ms=decision.predicted_ttft_ms,
-            predicted_e2e_ms=decision.predicted_e2e_ms))
-        self.view.record_assignment(decision.instance_id, placed)
-        log.debug("placed", request_id=request.id, instance=decision.instance_id, decision_ms=decision_ms)
-        return placed
-
-    async def redispatch_queue(self, dead: InstanceView) -> int | None:
+    async def redispatch_queue(self, instance_id: str) -> int | None:
         """Move every entry left in a dead instance's queue to live instances; returns how
         many, or None when no instance is live (the caller retries later)."""
-        queue = self.keys.instance_queue(dead.instance_id)
-        candidates = self.view.live_instances()
-        if not candidates:
+        queue = self.keys.instance_queue(instance_id)
+        if not self.view.live_instances():
             return None
         entries = await self.client.xrange(queue, count=100_000)
-        pipe = self.client.pipeline(transaction=False)
-        moved = 0
+        decoded: list[tuple[bytes, Request]] = []
         for entry_id, fields in entries:
-            payload = fields.get(PAYLOAD_FIELD.encode())
             try:
-                request = decode_request(payload, self.settings.limits)
+                decoded.append((entry_id, decode_request(fields.get(PAYLOAD_FIELD.encode()), self.settings.limits)))
             except ValidationError:
                 continue  # the worker dead-letters it if it ever comes back
-            try:
-                placed = self._assign(request, candidates)
-            except ValueError:
+        outcomes = self.core.replace_unstarted(instance_id, [r for _, r in decoded], self.clock())
+        pipe = self.client.pipeline(transaction=False)
+        moved = 0
+        for (entry_id, _), outcome in zip(decoded, outcomes, strict=True):
+            if not isinstance(outcome, Placed):
                 continue  # stays in the dead queue, visible in `blockq status`
-            pipe.xadd(self.keys.instance_queue(placed.assignment.instance_id), {PAYLOAD_FIELD: encode(placed)})
+            placed = outcome.request
+            pipe.xadd(self.keys.instance_queue(placed.assignment.instance_id),  # type: ignore[union-attr]
+                      {PAYLOAD_FIELD: encode(placed)})
             pipe.xdel(queue, entry_id)
             moved += 1
         if moved:
             await pipe.execute()
-        dead.assigned_not_seen.clear()
-        log.warning("instance_dead_requeued", instance=dead.instance_id, moved=moved)
+        log.warning("instance_dead_requeued", instance=instance_id, moved=moved)
         return moved
 
 
-def prepare_for_decisions(view: ClusterView) -> None:
+def prepare_for_decisions(core: DispatcherCore) -> None:
     """Start-up work that would otherwise land inside early or random decisions: load
     the compiled simulation code (policies that simulate), then take every object alive
     so far out of the collector's view and collect the young generation less often.
     A full collection over the start-up heap took 50-70 ms in ``blockq dispatch-bench``,
     far more than a decision."""
-    if view.keep_replicas:
+    if core.simulates:
         warm_up_packed_kernel()
     gc.collect()
     gc.freeze()
@@ -254,10 +247,9 @@ def prepare_for_decisions(view: ClusterView) -> None:
 def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: str, *, dispatcher_id: str,
                       seed: int | None = None, objective: str = "e2e",
                       options: DispatcherOptions | None = None) -> Dispatcher:
-    """A dispatcher with its cluster view and the named policy sharing that view."""
+    """A dispatcher whose core runs the named policy, timing decisions on the wall clock."""
     options = options or DispatcherOptions()
-    view = ClusterView(HealthPolicy(heartbeat_interval_s=settings.heartbeat_interval_ms / 1000,
-                                    dead_after_s=options.dead_after_s),
-                       use_true_lengths=policy_name in TRUE_LENGTH_POLICIES)
-    policy = make_policy(policy_name, view, seed=seed, objective=objective)
-    return Dispatcher(client, settings, policy, view, dispatcher_id=dispatcher_id, options=options)
+    core = DispatcherCore(policy_name, seed=seed, objective=objective, timer=time.perf_counter,
+                          health_policy=HealthPolicy(heartbeat_interval_s=settings.heartbeat_interval_ms / 1000,
+                                                     dead_after_s=options.dead_after_s))
+    return Dispatcher(client, settings, core, dispatcher_id=dispatcher_id, options=options)

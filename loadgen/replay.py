@@ -80,7 +80,7 @@ async def replay(client: AsyncClient, schedule: Sequence[tuple[float, TraceReque
         stop_following.set()
         await follower
     result.duration_s = (time.monotonic() - started_s) / options.time_scale
-    result.records = [record if record is not None else _failed(request, offset_s, "not finished within max_duration_s")
+    result.records = [record if record is not None else failed_record(request, offset_s, "not finished within max_duration_s")
                       for record, (offset_s, request) in zip(records, schedule, strict=True)]
     return result
 
@@ -94,15 +94,16 @@ async def _submit_and_wait(client: AsyncClient, request: TraceRequest, offset_s:
             trace_predicted_output_tokens=request.predicted_output_tokens)
         final = await handle.result(timeout_s=options.request_timeout_s)
     except Overloaded:
-        return _failed(request, offset_s, "overloaded")
+        return failed_record(request, offset_s, "overloaded")
     except TimeoutError:
-        return _failed(request, offset_s, "timeout")
+        return failed_record(request, offset_s, "timeout")
     except ValidationError as exc:
-        return _failed(request, offset_s, f"invalid: {exc}")
-    return _record(handle.id, request, offset_s, final)
+        return failed_record(request, offset_s, f"invalid: {exc}")
+    return record_of(handle.id, request, offset_s, final)
 
 
-def _record(request_id: str, request: TraceRequest, offset_s: float, final: FinalRecord) -> RequestRecord:
+def record_of(request_id: str, request: TraceRequest, offset_s: float, final: FinalRecord) -> RequestRecord:
+    """The replay record of ``request``, submitted at ``offset_s``, from its final record."""
     return RequestRecord(
         request_id=request_id, submitted_at_s=offset_s, instance=final.instance,
         prompt_tokens=final.prompt_tokens, true_output_tokens=request.true_output_tokens,
@@ -112,7 +113,7 @@ def _record(request_id: str, request: TraceRequest, offset_s: float, final: Fina
         num_preemptions=final.num_preemptions, ok=final.status == "ok", error=final.error)
 
 
-def _failed(request: TraceRequest, offset_s: float, error: str) -> RequestRecord:
+def failed_record(request: TraceRequest, offset_s: float, error: str) -> RequestRecord:
     return RequestRecord(
         request_id="", submitted_at_s=offset_s, instance=None, prompt_tokens=request.prompt_tokens,
         true_output_tokens=request.true_output_tokens, predicted_output_tokens=None, output_tokens=0,

@@ -120,40 +120,49 @@ class PredictorStage:
             return []
         predictor = self.predictor  # one model per batch, even if a refit swaps it meanwhile
         self.served_versions.add(predictor.version)
-        texts = [r.prompt for r in requests if isinstance(r.prompt, str)]
-        text_counts = iter(self.token_counter.count(texts)) if texts else iter(())
-        inputs = []
-        for request in requests:
-            prompt_tokens = next(text_counts) if isinstance(request.prompt, str) else len(request.prompt)
-            inputs.append(PredictionInput(
-                prompt=request.prompt if isinstance(request.prompt, str) else "",
-                prompt_tokens=prompt_tokens, max_tokens=request.max_tokens,
-                num_turns=request.num_turns, true_output_tokens=request.true_output_tokens,
-                trace_predicted_output_tokens=request.trace_predicted_output_tokens,
-            ))
-        results: list[Request | str]
-        try:
-            predictions = predictor.predict(inputs)
-        except ValueError:
-            # One bad request (e.g. `oracle` without a true length) must not sink its batch.
-            results = [self._annotate_one(predictor, request, one)
-                       for request, one in zip(requests, inputs, strict=True)]
-        else:
-            results = [request.with_prediction(_prediction(one, p, predictor.version))
-                       for request, one, p in zip(requests, inputs, predictions, strict=True)]
+        inputs = prediction_inputs(requests, self.token_counter)
+        results = annotate(predictor, requests, inputs)
         if self.on_annotated is not None:
             for request, one, result in zip(requests, inputs, results, strict=True):
                 if not isinstance(result, str):
                     self.on_annotated(request.id, one)
         return results
 
-    def _annotate_one(self, predictor: LengthPredictor, request: Request,
-                      one: PredictionInput) -> Request | str:
-        try:
-            (p,) = predictor.predict([one])
-        except ValueError as exc:
-            return f"prediction failed: {exc}"
-        return request.with_prediction(_prediction(one, p, predictor.version))
+
+def prediction_inputs(requests: Sequence[Request], token_counter: TokenCounter) -> list[PredictionInput]:
+    """The model input of each request (text prompts counted in one tokenizer call)."""
+    texts = [r.prompt for r in requests if isinstance(r.prompt, str)]
+    text_counts = iter(token_counter.count(texts)) if texts else iter(())
+    inputs = []
+    for request in requests:
+        prompt_tokens = next(text_counts) if isinstance(request.prompt, str) else len(request.prompt)
+        inputs.append(PredictionInput(
+            prompt=request.prompt if isinstance(request.prompt, str) else "",
+            prompt_tokens=prompt_tokens, max_tokens=request.max_tokens,
+            num_turns=request.num_turns, true_output_tokens=request.true_output_tokens,
+            trace_predicted_output_tokens=request.trace_predicted_output_tokens,
+        ))
+    return inputs
+
+
+def annotate(predictor: LengthPredictor, requests: Sequence[Request],
+             inputs: Sequence[PredictionInput]) -> list[Request | str]:
+    """One model call for the batch: each request with its :class:`Prediction`, or the
+    reason it could not be predicted (a bad request does not sink its batch)."""
+    try:
+        predictions = predictor.predict(list(inputs))
+    except ValueError:
+        return [_annotate_one(predictor, request, one) for request, one in zip(requests, inputs, strict=True)]
+    return [request.with_prediction(_prediction(one, p, predictor.version))
+            for request, one, p in zip(requests, inputs, predictions, strict=True)]
+
+
+def _annotate_one(predictor: LengthPredictor, request: Request, one: PredictionInput) -> Request | str:
+    try:
+        (p,) = predictor.predict([one])
+    except ValueError as exc:
+        return f"prediction failed: {exc}"
+    return request.with_prediction(_prediction(one, p, predictor.version))
 
 
 def _prediction(one: PredictionInput, p: LengthPrediction, version: str) -> Prediction:

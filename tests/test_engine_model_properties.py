@@ -15,6 +15,7 @@ from blockq.engine_model import (
     StepLatencyModel,
     StepResult,
 )
+from tests.factories import step_reference
 
 MAX_STEPS = 20_000
 LATENCY = StepLatencyModel(linear_knot_tokens=(1, 64), linear_knot_s=(0.01, 0.02),
@@ -176,10 +177,10 @@ def test_a_clone_is_independent_and_replays_identically(
     snapshot = (scheduler.now_s, scheduler.num_free_blocks,
                 [repr(r) for r in scheduler.running], [repr(r) for r in scheduler.waiting])
     clone = scheduler.clone()
-    clone_results = clone.run_until(float("inf"))
+    clone_results = step_reference(clone)
     assert not clone.has_unfinished_requests
     # running the clone to the end left the original untouched ...
     assert snapshot == (scheduler.now_s, scheduler.num_free_blocks,
                         [repr(r) for r in scheduler.running], [repr(r) for r in scheduler.waiting])
     # ... and the original, run on, does exactly what the clone did
-    assert scheduler.run_until(float("inf")) == clone_results
+    assert step_reference(scheduler) == clone_results

@@ -225,28 +225,6 @@ def test_add_request_clips_the_target_and_names_bad_fields() -> None:
         add(scheduler, "a", 10, 1)
 
 
-def test_run_until_steps_then_idles_forward() -> None:
-    scheduler = make_scheduler()
-    add(scheduler, "a", 10, 3)
-    results = scheduler.run_until(0.015)
-    assert len(results) == 2 and scheduler.now_s == pytest.approx(0.02)
-    results = scheduler.run_until(1.0)
-    assert len(results) == 1 and scheduler.now_s == 1.0
-    assert scheduler.step() is None and scheduler.run_until(2.0) == []
-    assert scheduler.now_s == 2.0
-
-
-def test_run_until_finished_returns_the_finished_request() -> None:
-    scheduler = make_scheduler()
-    add(scheduler, "a", 10, 30)
-    add(scheduler, "b", 10, 3)
-    finished = scheduler.run_until_finished("b")
-    assert finished is not None and finished.num_generated_tokens == 3
-    assert finished.finished_at_s == pytest.approx(3 * STEP_S)
-    assert scheduler.run_until_finished("missing") is None
-    assert scheduler.run_until_finished("a", max_steps=2) is None
-
-
 def test_step_duration_override_and_latency_model_inputs() -> None:
     scheduler = make_scheduler()
     add(scheduler, "a", 10, 3, arrival_s=0.0)

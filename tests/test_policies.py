@@ -12,7 +12,7 @@ from blockq.engine_model.packed_layout import FINISHED
 from blockq.protocol import Prediction, RequestProgress
 from dispatcher.cluster_view import ClusterView
 from dispatcher.forecast import forecast
-from dispatcher.policies import POLICY_FACTORIES, make_policy
+from dispatcher.policies import POLICIES, make_policy
 from tests.factories import make_heartbeat, make_request
 
 
@@ -35,7 +35,7 @@ def choose(name: str, view: ClusterView, request=None, seed: int = 0) -> str:  #
 
 
 def test_registry_lists_every_policy() -> None:
-    assert set(POLICY_FACTORIES) == {"round_robin", "random", "least_requests", "least_kv", "llumnix",
+    assert set(POLICIES) == {"round_robin", "random", "least_requests", "least_kv", "llumnix",
                                      "power_of_two", "block", "block_kv_guard", "oracle"}
     with pytest.raises(ValueError, match="policy: unknown 'nope'"):
         make_policy("nope")
@@ -105,7 +105,7 @@ def test_kv_guard_passes_over_an_instance_whose_kv_the_upper_quantile_would_exha
     assert median["edge"].score("e2e") < median["busy"].score("e2e")
     assert median["edge"].num_preemptions == 0
     edge_replica = view.replica(view.instances["edge"], now)
-    upper = forecast(edge_replica, request.id, *edge_replica.request_size(request, upper=True), keep=False)
+    upper = forecast(edge_replica, request.id, *edge_replica.request_size(request, lengths="upper"), keep=False)
     assert upper.num_preemptions > 0
     assert policy.choose(request, view.live_instances(), now).instance_id == "busy"
     assert make_policy("block", view, seed=0).choose(request, view.live_instances(), now).instance_id == "edge"

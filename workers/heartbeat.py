@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from blockq.protocol import MAX_HEARTBEAT_REQUESTS, Heartbeat
 from workers.engines.base import Engine, EngineStepOutput
@@ -14,11 +14,13 @@ MAX_FINISHED_IDS = 512
 
 
 class HeartbeatBuilder:
-    """Collects step samples and finished ids between beats; ``build`` empties them."""
+    """Collects step samples and finished ids between beats; ``build`` empties them.
+    ``clock`` gives a beat's ``sent_at_s`` (wall seconds; a simulation passes its own)."""
 
-    def __init__(self, instance_id: str, engine: Engine) -> None:
+    def __init__(self, instance_id: str, engine: Engine, *, clock: Callable[[], float] = time.time) -> None:
         self.instance_id = instance_id
         self.engine = engine
+        self.clock = clock
         self.seq = 0
         self._samples: deque[tuple[int, int, int, float, int]] = deque(maxlen=MAX_STEP_SAMPLES)
         self._finished: deque[str] = deque(maxlen=MAX_FINISHED_IDS)
@@ -36,7 +38,7 @@ class HeartbeatBuilder:
         lag_p99_ms = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0
         self.seq += 1
         beat = Heartbeat(
-            instance_id=self.instance_id, state=state, seq=self.seq, sent_at_s=time.time(),
+            instance_id=self.instance_id, state=state, seq=self.seq, sent_at_s=self.clock(),
             engine_time_s=self.engine.model_time_s(), model=self.engine.model, preset=self.engine.preset,
             engine_config=self.engine.engine_config(), latency_model=self.engine.latency_model(),
             num_used_blocks=num_used_blocks,

@@ -27,7 +27,7 @@ from blockq.protocol import Request, ValidationError, decode_request, encode
 from blockq.streams import GroupConsumer, StreamEntry
 from workers.engines.base import Engine, EngineRequestSpec, EngineStepOutput
 from workers.heartbeat import HeartbeatBuilder
-from workers.replies import InFlight, ReplyWriter
+from workers.replies import InFlight, ReplyWriter, record_step_output
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +70,7 @@ class InstanceWorker:
                                       claim_idle_ms=settings.claim_idle_ms, claim_stale=False)
         self.in_flight: dict[str, InFlight] = {}
         self.replies = ReplyWriter(settings, instance_id, engine.time_scale)
-        self.beats = HeartbeatBuilder(instance_id, engine)
+        self.beats = HeartbeatBuilder(instance_id, engine, clock=time.time)
         self.stats = WorkerStats()
         self.draining = False
         self._work_arrived = asyncio.Event()
@@ -117,8 +117,7 @@ class InstanceWorker:
 
     async def _intake_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set() and not self._stopping:
-            room = min(self.options.bundle_size, self.engine.num_admittable(),
-                       self.max_in_flight - len(self.in_flight))
+            room = bundle_room(self.options, self.engine, self.max_in_flight, len(self.in_flight))
             if room <= 0:
                 await asyncio.sleep(self.options.idle_poll_ms / 1000 / 4)
                 continue
@@ -152,7 +151,7 @@ class InstanceWorker:
                 # this instance looked dead): the running copy answers; drop this one.
                 self.consumer.ack(pipe, [entry.entry_id])
                 continue
-            spec = _engine_spec(request)
+            spec = engine_spec(request)
             flight = InFlight(request=request, entry_id=entry.entry_id, received_at_s=now_wall_s,
                               prompt_tokens=spec.prompt_tokens)
             problem = "cancelled" if is_cancelled else self.engine.validate(spec)
@@ -174,16 +173,8 @@ class InstanceWorker:
         self.beats.record_step(output)
         pipe = self.client.pipeline(transaction=False)
         now_wall_s = time.time()
-        for request_id in output.preempted_ids:
-            flight = self.in_flight.get(request_id)
-            if flight is not None:
-                flight.num_preemptions += 1
         finished_ids: list[str] = []
-        for event in output.events:
-            flight = self.in_flight.get(event.request_id)
-            if flight is None:
-                continue
-            flight.add_tokens(event, now_wall_s)
+        for event, flight in record_step_output(self.in_flight, output, now_wall_s):
             if event.finished:
                 self.replies.flush(pipe, flight)
                 self.replies.finish(pipe, flight, status="ok", finish_reason=event.finish_reason or "stop")
@@ -239,7 +230,14 @@ class InstanceWorker:
         await pipe.execute()
 
 
-def _engine_spec(request: Request) -> EngineRequestSpec:
+def bundle_room(options: WorkerOptions, engine: Engine, max_in_flight: int, num_in_flight: int) -> int:
+    """How many queue entries the intake may read now: at most a bundle, only what the
+    engine can admit soon, and never more in flight than one engine's worth (<= 0: none)."""
+    return min(options.bundle_size, engine.num_admittable(), max_in_flight - num_in_flight)
+
+
+def engine_spec(request: Request) -> EngineRequestSpec:
+    """``request`` as the engine is handed it."""
     prediction = request.prediction
     if prediction is not None:
         prompt_tokens = prediction.prompt_tokens

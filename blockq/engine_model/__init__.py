@@ -1,10 +1,11 @@
 """A pure model of one vLLM engine instance: its scheduler and its step latency.
 
 No I/O, no clock, no randomness: time is passed in. :class:`EngineScheduler` is the
-reference: the emulated engine in the workers runs it, and the dispatcher rebuilds its
-replicas with it. The dispatcher's what-if simulations run on
+reference, stepped one iteration at a time: the emulated engine in the workers runs it, and
+the dispatcher rebuilds its replicas with it. The one fast simulator is
 :class:`~blockq.engine_model.packed.PackedScheduler`, the same scheduler packed into arrays
-and compiled, whose steps the tests check equal to the reference's, integers and times.
+and compiled: the dispatcher's replicas and what-if runs use it, and the tests check its
+runs equal to stepping the reference, integers and times.
 """
 
 from blockq.engine_model.config import EngineConfig
@@ -21,7 +22,6 @@ from blockq.engine_model.presets import (
 )
 from blockq.engine_model.request import EngineRequest, StepResult
 from blockq.engine_model.scheduler import EngineScheduler
-from blockq.engine_model.simulation import SimulationResult
 
 __all__ = [
     "PRESETS",
@@ -29,7 +29,6 @@ __all__ = [
     "EnginePreset",
     "EngineRequest",
     "EngineScheduler",
-    "SimulationResult",
     "StepLatencyModel",
     "StepResult",
     "StepSample",

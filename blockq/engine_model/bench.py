@@ -5,15 +5,8 @@ loaded instance (48 running requests mid-decode and 20 waiting, ShareGPT-like le
 
 * ``step_us_p50`` / ``step_us_p99``: one plain :meth:`EngineScheduler.step`;
 * ``clone_us_p50``: one :meth:`EngineScheduler.clone`;
-* ``simulate_to_finish_ms_p50`` / ``_p99``: clone, add one new request, :meth:`simulate`
-  until every request finishes (``_cpu_ms_p99``: the same in thread CPU time, which
-  leaves out time slices lost to other processes; ``_steps`` / ``_jumps``: mean steps
-  simulated and decode spans collapsed per call); ``stepping_to_finish_ms_p50``: the same
-  by plain steps, for comparison;
-* ``simulate_to_new_finish_ms_p50`` / ``_p99`` (and ``_steps`` / ``_jumps``): the same,
-  stopping when the new request finishes;
-* ``simulated_steps_per_s``: steps simulated per second by :meth:`simulate`
-  (``stepped_steps_per_s``: by plain steps);
+* ``stepping_to_finish_ms_p50``: clone, add one new request, and :meth:`step` until
+  every request finishes; ``stepped_steps_per_s``: the steps so run per second;
 * ``packed_clone_us_p50``, ``packed_simulate_to_finish_us_p50`` / ``_p99``: the same
   clone and run to the end on the dispatcher's compiled twin
   (:class:`~blockq.engine_model.packed.PackedScheduler`), and
@@ -28,8 +21,6 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -85,48 +76,20 @@ def _time_steps(states: list[EngineScheduler], num_steps: int) -> list[float]:
     return durations_s
 
 
-@dataclass
-class _ForecastTimings:
-    """Per call: wall-clock and thread CPU seconds, steps simulated, spans jumped."""
-
-    wall_s: list[float] = field(default_factory=list)
-    cpu_s: list[float] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
-    jumps: list[int] = field(default_factory=list)
-
-
-def _time_forecasts(states: list[EngineScheduler], rng: random.Random,
-                    run: Callable[[EngineScheduler], tuple[int, int]],
-                    num_repeats: int) -> _ForecastTimings:
-    """Time cloning a state, adding a new request and ``run``-ning it (which returns the
-    steps simulated and the spans jumped)."""
-    timings = _ForecastTimings()
-    for _ in range(num_repeats):
-        for state in states:
-            new_request = sharegpt_like_request(rng, NEW_REQUEST_ID)
-            started_s, started_cpu_s = time.perf_counter(), time.thread_time()
-            scheduler = state.clone()
-            scheduler.add_request(new_request)
-            num_steps, num_jumps = run(scheduler)
-            timings.cpu_s.append(time.thread_time() - started_cpu_s)
-            timings.wall_s.append(time.perf_counter() - started_s)
-            timings.steps.append(num_steps)
-            timings.jumps.append(num_jumps)
-    return timings
-
-
-def _simulate_until(stop_when_finished: str | None) -> Callable[[EngineScheduler], tuple[int, int]]:
-    def run(scheduler: EngineScheduler) -> tuple[int, int]:
-        result = scheduler.simulate(stop_when_finished=stop_when_finished)
-        return result.num_steps, result.num_jumps
-    return run
-
-
-def _step_to_end(scheduler: EngineScheduler) -> tuple[int, int]:
+def _time_stepping_to_end(states: list[EngineScheduler], rng: random.Random) -> tuple[list[float], int]:
+    """Seconds to clone each state, add a new request and step until everything finishes;
+    and the steps run in all."""
+    durations_s = []
     num_steps = 0
-    while scheduler.step() is not None:
-        num_steps += 1
-    return num_steps, 0
+    for state in states:
+        new_request = sharegpt_like_request(rng, NEW_REQUEST_ID)
+        started = time.perf_counter()
+        scheduler = state.clone()
+        scheduler.add_request(new_request)
+        while scheduler.step() is not None:
+            num_steps += 1
+        durations_s.append(time.perf_counter() - started)
+    return durations_s, num_steps
 
 
 def _time_clones(states: list[EngineScheduler], num_repeats: int) -> list[float]:
@@ -185,35 +148,23 @@ def bench_engine_model(num_states: int = 40, num_repeats: int = 5, num_steps_per
                        seed: int = 0, preset: str = "llama2-7b-a30", num_running: int = 48,
                        num_waiting: int = 20) -> dict[str, Any]:
     """Time the engine model on ``num_states`` random loaded instances (see the module
-    docstring for the keys); times in the units their names say, counts are means."""
+    docstring for the keys); times in the units their names say."""
     rng = random.Random(seed)
     states = [build_loaded_scheduler(rng, preset, num_running, num_waiting)
               for _ in range(num_states)]
-    _time_forecasts(states, rng, _simulate_until(None), 1)  # warm-up, not reported
+    _time_stepping_to_end(states, rng)  # warm-up, not reported
     step_s = _time_steps(states, num_steps_per_state)
     clone_s = _time_clones(states, num_repeats * 10)
-    stepping = _time_forecasts(states, rng, _step_to_end, 1)
-    to_finish = _time_forecasts(states, rng, _simulate_until(None), num_repeats)
-    to_new = _time_forecasts(states, rng, _simulate_until(NEW_REQUEST_ID), num_repeats)
-    figures: dict[str, Any] = {
+    stepping_s, num_stepped = _time_stepping_to_end(states, rng)
+    return {
         "preset": preset, "num_running": num_running, "num_waiting": num_waiting,
         "num_states": num_states,
         "step_us_p50": _percentile(step_s, 50) * 1e6,
         "step_us_p99": _percentile(step_s, 99) * 1e6,
         "clone_us_p50": _percentile(clone_s, 50) * 1e6,
-        "stepping_to_finish_ms_p50": _percentile(stepping.wall_s, 50) * 1e3,
+        "stepping_to_finish_ms_p50": _percentile(stepping_s, 50) * 1e3,
+        "stepped_steps_per_s": num_stepped / sum(stepping_s),
     }
-    for name, timings in (("simulate_to_finish", to_finish), ("simulate_to_new_finish", to_new)):
-        figures[f"{name}_ms_p50"] = _percentile(timings.wall_s, 50) * 1e3
-        figures[f"{name}_ms_p99"] = _percentile(timings.wall_s, 99) * 1e3
-        # CPU time tells the model's cost apart from time slices lost to other processes
-        figures[f"{name}_cpu_ms_p99"] = _percentile(timings.cpu_s, 99) * 1e3
-        figures[f"{name}_steps"] = float(np.mean(timings.steps))
-        figures[f"{name}_jumps"] = float(np.mean(timings.jumps))
-    figures["simulated_steps_per_s"] = (sum(to_finish.steps) + sum(to_new.steps)) / (
-        sum(to_finish.wall_s) + sum(to_new.wall_s))
-    figures["stepped_steps_per_s"] = sum(stepping.steps) / sum(stepping.wall_s)
-    return figures
 
 
 def main(argv: list[str] | None = None) -> None:

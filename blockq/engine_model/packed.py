@@ -163,15 +163,25 @@ class PackedScheduler:
 
     def simulate(self, *, until_s: float | None = None, stop_row: int = -1,
                  max_steps: int = MAX_STEPS) -> int:
-        """Run steps as :meth:`EngineScheduler.simulate` does (same stop rules; ``stop_row``
-        for ``stop_when_finished``); returns the steps run."""
+        """Run steps as :meth:`EngineScheduler.step` runs them; returns the steps run.
+
+        Stops at the first of: nothing left to run; the next step would start at or after
+        ``until_s`` (when stopped idle before ``until_s``, the clock moves forward to it);
+        row ``stop_row`` finished (-1: no such rule; the clock is then its finish time);
+        ``max_steps`` steps done. The state afterwards is the one that stepping the
+        reference under the same rule reaches: integers and times equal."""
         return int(kernel.simulate(
             self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
             self._config_array, self._latency_array, self._linear_table_s,
             math.inf if until_s is None else float(until_s), stop_row, max_steps))
 
     def queue_drain_snapshot(self) -> PackedScheduler:
-        """A copy advanced as :meth:`EngineScheduler.queue_drain_snapshot` advances."""
+        """A copy advanced to the last step boundary before the step that leaves the
+        waiting queue empty: a request appended now at the tail has not been looked at
+        there, so a run with it equals a run without it up to that point, and a what-if
+        run can start from the snapshot instead of from now (the argument is at
+        :func:`.packed_kernel.advance_to_queue_drain`). Nothing waiting: a plain copy.
+        ``self`` is not changed."""
         other = self.clone()
         kernel.advance_to_queue_drain(
             other.requests, other.times, other.running, other.waiting, other.counters, other.clock,

@@ -46,7 +46,8 @@ def _scratch(capacity: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np
 def simulate(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
              counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
              linear_table_s: np.ndarray, until_s: float, stop_row: int, max_steps: int) -> int:
-    """:meth:`EngineScheduler.simulate` over packed state; returns the steps run.
+    """Steps as :meth:`EngineScheduler.step` runs them, decode-only runs taken as spans
+    (:func:`.packed_span.decode_span`); returns the steps run.
 
     Stops at the first of: nothing left to run; the next step would start at or after
     ``until_s`` (``np.inf``: no limit; when stopped idle, the clock moves to it); row
@@ -79,11 +80,18 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
                            waiting: np.ndarray, counters: np.ndarray, clock: np.ndarray,
                            config: np.ndarray, latency: np.ndarray, linear_table_s: np.ndarray) -> None:
     """Advance to the last step boundary at which a row appended now to the waiting queue
-    would not yet have been looked at (:meth:`EngineScheduler.queue_drain_snapshot`).
+    would not yet have been looked at: the boundary before the first step that leaves the
+    waiting queue empty. Nothing waiting: no change.
 
-    Admission is FCFS without skipping, so the appended row is first considered in the
-    step that empties the queue ahead of it; every step before that one runs the same
-    with or without it. Nothing waiting: no change."""
+    Why that boundary: admission (phase 3 of a step) takes the queue head by head, FCFS,
+    and stops at the first head that does not fit, never skipping one; preempted rows
+    re-enter at the head, ahead of everyone. So a row appended at the tail is looked at
+    only in a step that admits every row ahead of it, that is, a step after which the
+    queue without it is empty. Phases 1 and 2 read only the running rows. Every step
+    before that first emptying step therefore runs the same with or without the appended
+    row, and the appended row is still waiting, untouched, at its boundary (the emptying
+    step itself may or may not look at it: its budget or sequence slots may run out
+    first)."""
     scheduled, new_tokens, preempted, decodes, prefills, blocks_by_phase, remaining = _scratch(
         requests.shape[0], config[BLOCK_SIZE])
     saved_requests = np.empty_like(requests)

@@ -5,8 +5,12 @@ decodes first, then running (chunked) prefills, then new prefills admitted from 
 waiting queue; the batch runs; requests that computed all their known tokens sample one
 (the phases are in :mod:`blockq.engine_model.step_builder`). KV blocks are allocated as
 tokens are scheduled; a running request short of a block preempts by recompute the most
-recently started running request (itself if last). :meth:`EngineScheduler.simulate` runs
-many steps at once, collapsing the decode-only ones (:mod:`blockq.engine_model.simulation`).
+recently started running request (itself if last).
+
+This is the executable specification. The one fast simulator,
+:class:`~blockq.engine_model.packed.PackedScheduler` (the dispatcher's), must end every
+run in the state that stepping this scheduler reaches, integers and times equal; the tests
+compare the two on random states.
 
 Time is passed in; nothing here reads a clock, draws random numbers or does I/O, so a
 run is a pure function of its inputs.
@@ -14,18 +18,13 @@ run is a pure function of its inputs.
 
 from __future__ import annotations
 
-import math
-import sys
 from collections import deque
 from collections.abc import Iterable
 
 from blockq.engine_model.block_pool import BlockPool
 from blockq.engine_model.config import EngineConfig
-from blockq.engine_model.decode_drain import DecodeDrain
-from blockq.engine_model.decode_span import DecodeSpan
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.request import EngineRequest, StepResult
-from blockq.engine_model.simulation import SimulationRecord, SimulationResult, can_jump
 from blockq.engine_model.step_builder import StepBuilder
 
 
@@ -206,7 +205,7 @@ class EngineScheduler:
             num_needed += -(-request.num_tokens // block_size)
         return self._pool.num_free_blocks - num_needed >= self._watermark_blocks
 
-    # --- simulation -----------------------------------------------------------------------
+    # --- stepping -------------------------------------------------------------------------
 
     def step(self, duration_s: float | None = None) -> StepResult | None:
         """Run one engine iteration; None (and no time passes) when there is nothing to do.
@@ -222,115 +221,3 @@ class EngineScheduler:
         result = builder.execute(self.now_s, duration_s, self.latency_model)
         self.now_s = result.started_at_s + result.duration_s
         return result
-
-    def run_until(self, time_s: float) -> list[StepResult]:
-        """Step while there is work and ``now_s < time_s`` (the last step may end after
-        ``time_s``); when idle, move ``now_s`` forward to ``time_s``.
-
-        Returns every step's result; steps inside collapsed decode spans are synthesised
-        (times equal to stepping up to float rounding). :meth:`simulate` is cheaper when
-        the per-step results are not needed.
-        """
-        results: list[StepResult] = []
-        self._simulate(time_s, None, sys.maxsize, results)
-        return results
-
-    def run_until_finished(self, request_id: str, max_steps: int = 1_000_000) -> EngineRequest | None:
-        """Step until the given request finishes and return it; None if it is not here or
-        has not finished within ``max_steps`` steps."""
-        request = self.find_request(request_id)
-        if request is None:
-            return None
-        self._simulate(None, request, max_steps, None)
-        return request if request.finished_at_s is not None else None
-
-    def simulate(self, *, until_s: float | None = None, stop_when_finished: str | None = None,
-                 max_steps: int = 1_000_000) -> SimulationResult:
-        """Run steps as :meth:`step` would, collapsing decode-only spans into jumps.
-
-        Stops at the first of: nothing left to run; the next step would start at or after
-        ``until_s`` (as :meth:`run_until`: when stopped idle, ``now_s`` moves forward to
-        ``until_s``); the request ``stop_when_finished`` finished (``now_s`` is its finish
-        time); ``max_steps`` steps done. The state afterwards is the one stepping reaches
-        under the same rule: integer state equal, times equal up to float rounding (see
-        :mod:`blockq.engine_model.simulation`).
-
-        Raises:
-            ValueError: if ``stop_when_finished`` names no running or waiting request.
-        """
-        stop_request = None
-        if stop_when_finished is not None:
-            stop_request = self.find_request(stop_when_finished)
-            if stop_request is None:
-                raise ValueError(f"stop_when_finished: {stop_when_finished!r} is not in this engine")
-        return self._simulate(until_s, stop_request, max_steps, None)
-
-    def queue_drain_snapshot(self) -> EngineScheduler:
-        """A copy of this scheduler advanced to the last step boundary at which a request
-        appended now to the waiting queue has not yet been looked at.
-
-        The scheduler admits FCFS without skipping, so a request appended at the tail is
-        first considered in the step that admits the last request ahead of it. Until that
-        step, a run with the extra request is identical to a run without it; a what-if
-        simulation can start from this snapshot instead of from now. When nothing is
-        waiting, the snapshot is a plain copy. ``self`` is not changed.
-        """
-        current = self.clone()
-        record = SimulationRecord()
-        jumps_allowed = can_jump(self._config, self.latency_model)
-        while current.waiting:
-            # A jump never admits anyone (a decode span needs a blocked queue head).
-            if jumps_allowed and current._try_jump(record, math.inf, None, 1_000_000, None):
-                continue
-            before = current.clone()
-            if current.step() is None or not current.waiting:
-                return before
-        return current
-
-    def _simulate(self, until_s: float | None, stop_request: EngineRequest | None,
-                  max_steps: int, step_results: list[StepResult] | None) -> SimulationResult:
-        """The loop behind :meth:`simulate`; appends every step's result to ``step_results``
-        unless it is None."""
-        record = SimulationRecord()
-        time_limit_s = math.inf if until_s is None else until_s
-        jumps_allowed = can_jump(self._config, self.latency_model)
-        while self.running or self.waiting:
-            if stop_request is not None and stop_request.finished_at_s is not None:
-                return record.to_result(self.now_s)
-            if self.now_s >= time_limit_s or record.num_steps >= max_steps:
-                return record.to_result(self.now_s)
-            if not jumps_allowed or not self._try_jump(
-                    record, time_limit_s, stop_request, max_steps - record.num_steps, step_results):
-                result = self.step()
-                if result is None:  # unreachable: there is work, so a step runs
-                    break
-                record.add_step(result)
-                if step_results is not None:
-                    step_results.append(result)
-        # Idle before until_s: time moves on, unless the call ended on its stop request.
-        stopped_on_request = stop_request is not None and stop_request.finished_at_s is not None
-        if until_s is not None and self.now_s < until_s and not stopped_on_request:
-            self.now_s = until_s
-        return record.to_result(self.now_s)
-
-    def _try_jump(self, record: SimulationRecord, until_s: float, stop_request: EngineRequest | None,
-                  max_num_steps: int, step_results: list[StepResult] | None) -> bool:
-        """Jump over the decode-only steps ahead, if any: a drain when it applies (it
-        reports no per-step results), else a decode span. False if the next step must run."""
-        if step_results is None:
-            drain = DecodeDrain.try_plan(
-                self.running, self.waiting, self._pool, self._block_size, self.latency_model,
-                self.now_s, max_num_steps, until_s, stop_request)
-            if drain is not None:
-                finished = drain.apply(self.running, self._pool)
-                self.now_s = drain.ended_at_s
-                record.add_jump(drain.num_steps, drain.num_segments, finished)
-                return True
-        span = DecodeSpan.try_plan(self._config, self.running, self.waiting, self._pool,
-                                   self.latency_model, self.now_s, max_num_steps, until_s)
-        if span is None:
-            return False
-        finished = span.apply(self.running, self.waiting, self._pool, step_results)
-        self.now_s = span.started_at_s + span.seconds(span.num_steps)
-        record.add_jump(span.num_steps, 1, finished)
-        return True

@@ -2,12 +2,15 @@
 
 Each factory receives its dependencies (the cluster view, a seeded random generator, the
 objective) and returns an object with ``name`` and ``choose(request, candidates, now_s)``.
+The view is built for the policy from its :class:`PolicySpec` (:func:`make_view`); a policy
+never changes what the view keeps.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from dispatcher.cluster_view import ClusterView
 from dispatcher.policies.base import Decision, Policy
@@ -17,32 +20,50 @@ from dispatcher.policies.simple import LeastRequests, RandomChoice, RoundRobin
 
 PolicyFactory = Callable[[ClusterView, random.Random, str], Policy]
 
-POLICY_FACTORIES: dict[str, PolicyFactory] = {
-    "round_robin": lambda view, rng, objective: RoundRobin(rng),
-    "random": lambda view, rng, objective: RandomChoice(rng),
-    "least_requests": lambda view, rng, objective: LeastRequests(rng),
-    "least_kv": lambda view, rng, objective: LeastKv(rng),
-    "llumnix": lambda view, rng, objective: Llumnix(rng),
-    "power_of_two": PowerOfTwo,
-    "block": Block,
-    "block_kv_guard": BlockKvGuard,
-    "oracle": Oracle,
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """How to build a policy, and what its cluster view must keep for it: ``simulates``
+    (a replica of every instance, rebuilt from beats) and ``lengths`` (the output lengths
+    those replicas simulate with, :data:`dispatcher.lengths.LENGTH_MODES`)."""
+
+    factory: PolicyFactory
+    simulates: bool = False
+    lengths: str = "median"
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "round_robin": PolicySpec(lambda view, rng, objective: RoundRobin(rng)),
+    "random": PolicySpec(lambda view, rng, objective: RandomChoice(rng)),
+    "least_requests": PolicySpec(lambda view, rng, objective: LeastRequests(rng)),
+    "least_kv": PolicySpec(lambda view, rng, objective: LeastKv(rng)),
+    "llumnix": PolicySpec(lambda view, rng, objective: Llumnix(rng)),
+    "power_of_two": PolicySpec(PowerOfTwo, simulates=True),
+    "block": PolicySpec(Block, simulates=True),
+    "block_kv_guard": PolicySpec(BlockKvGuard, simulates=True),
+    "oracle": PolicySpec(Oracle, simulates=True, lengths="truth"),
 }
 
-# Policies whose replicas simulate with true output lengths.
-TRUE_LENGTH_POLICIES = frozenset({"oracle"})
+
+def policy_spec(name: str) -> PolicySpec:
+    """The spec registered as ``name``; ValueError listing the valid names otherwise."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"policy: unknown {name!r} (valid: {', '.join(sorted(POLICIES))})") from None
+
+
+def make_view(name: str, **options: object) -> ClusterView:
+    """A cluster view keeping what policy ``name`` needs (options: :class:`ClusterView`'s)."""
+    spec = policy_spec(name)
+    return ClusterView(keep_replicas=spec.simulates, lengths=spec.lengths, **options)  # type: ignore[arg-type]
 
 
 def make_policy(name: str, view: ClusterView | None = None, *, seed: int | None = None,
                 objective: str = "e2e") -> Policy:
-    """The policy registered as ``name``; ValueError listing the valid names otherwise."""
-    try:
-        factory = POLICY_FACTORIES[name]
-    except KeyError:
-        raise ValueError(f"policy: unknown {name!r} (valid: {', '.join(sorted(POLICY_FACTORIES))})") from None
-    if view is None:
-        view = ClusterView(use_true_lengths=name in TRUE_LENGTH_POLICIES)
-    return factory(view, random.Random(seed), objective)
+    """The policy registered as ``name`` on ``view`` (a new one for it when None)."""
+    spec = policy_spec(name)
+    return spec.factory(view if view is not None else make_view(name), random.Random(seed), objective)
 
 
-__all__ = ["Decision", "Policy", "POLICY_FACTORIES", "TRUE_LENGTH_POLICIES", "make_policy"]
+__all__ = ["Decision", "Policy", "POLICIES", "PolicySpec", "make_policy", "make_view", "policy_spec"]

@@ -26,20 +26,18 @@ class Block:
     if all of them would, the best one is taken."""
 
     name = "block"
-    use_truth = False
     kv_guard_candidates = 0
 
     def __init__(self, view: ClusterView, rng: random.Random, objective: str = "e2e") -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective: must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
         self.view = view
-        view.keep_replicas = True
         self.rng = rng
         self.objective = objective
 
     def forecast(self, request: Request, candidate: InstanceView, now_s: float) -> Forecast:
         replica = self.view.replica(candidate, now_s)
-        return forecast(replica, request.id, *replica.request_size(request, use_truth=self.use_truth))
+        return forecast(replica, request.id, *replica.request_size(request))
 
     def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
         return self._best(request, candidates, now_s)
@@ -51,7 +49,7 @@ class Block:
             replica = self.view.replica(candidate, now_s)
             max_model_len = replica.config.max_model_len
             if max_model_len not in sizes:
-                sizes[max_model_len] = replica.request_size(request, use_truth=self.use_truth)
+                sizes[max_model_len] = replica.request_size(request)
             candidate_forecast = forecast(replica, request.id, *sizes[max_model_len])
             # Scores equal to 1e-9 s are ties, broken at random.
             key = (round(candidate_forecast.score(self.objective), 9), self.rng.random())
@@ -59,7 +57,7 @@ class Block:
         ranked.sort(key=lambda item: item[0])
         _, chosen_forecast, chosen, _ = ranked[0]
         for _, candidate_forecast, candidate, replica in ranked[:self.kv_guard_candidates]:
-            upper_size = replica.request_size(request, use_truth=self.use_truth, upper=True)
+            upper_size = replica.request_size(request, lengths="upper")
             if upper_size == sizes[replica.config.max_model_len]:
                 break  # no spread above the median: nothing to guard
             upper = forecast(replica, request.id, *upper_size, keep=False)
@@ -88,10 +86,10 @@ class PowerOfTwo(Block):
 
 
 class Oracle(Block):
-    """``block`` with every request's true output length: benchmarks only."""
+    """``block`` with every request's true output length: benchmarks only (its view's
+    replicas simulate with ``truth``, :data:`dispatcher.policies.POLICIES`)."""
 
     name = "oracle"
-    use_truth = True
 
     def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
         if request.true_output_tokens is None:

@@ -7,14 +7,14 @@ and the vLLM adapter (a real engine on a GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from blockq.protocol import RequestProgress
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """New output of one request in one engine step."""
+class TokenEvent(NamedTuple):
+    """New output of one request in one engine step (a named tuple: an engine makes one
+    per running request per step, so it must be cheap to build)."""
 
     request_id: str
     text: str

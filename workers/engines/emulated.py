@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
+from blockq.engine_model import EngineRequest, EngineScheduler, StepResult, get_preset
 from blockq.protocol import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 
@@ -28,9 +28,12 @@ _WORDS = ("the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", 
           "be", "by", "this", "are", "or", "an", "from")
 
 
+_TOKEN_TEXTS = tuple(" " + word for word in _WORDS)
+
+
 def synthetic_token_text(index: int) -> str:
     """The text of output token ``index`` (deterministic filler)."""
-    return " " + _WORDS[index % len(_WORDS)]
+    return _TOKEN_TEXTS[index % len(_TOKEN_TEXTS)]
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class EmulatedEngineOptions:
     eos_sigma: float = 1.0
     seed: int = 0
     config_overrides: tuple[tuple[str, Any], ...] = ()
+    # False: a step reports only first tokens and finishes, each with the number of tokens
+    # since the request's last event and no text (a simulation that reads no text).
+    stream_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.time_scale <= 1000:
@@ -65,6 +71,8 @@ class EmulatedEngine:
         self.config = preset.config
         self.rng = random.Random(self.options.seed)
         self.base_latency_model = preset.latency_model
+        self._config_dict = preset.config.to_dict()
+        self._latency_dict = preset.latency_model.to_dict()
         self.scheduler = EngineScheduler(preset.config, _NoisyLatency(preset.latency_model, self.rng,
                                                                       self.options.noise_sigma), now_s=0.0)
         self.clock = clock
@@ -75,10 +83,12 @@ class EmulatedEngine:
     # --- Engine protocol ----------------------------------------------------------------
 
     def engine_config(self) -> dict[str, Any]:
-        return self.config.to_dict()
+        """The engine config as beats carry it (one dict for the engine's life: read only)."""
+        return self._config_dict
 
     def latency_model(self) -> dict[str, Any] | None:
-        return self.base_latency_model.to_dict()
+        """The latency model as beats carry it (one dict for the engine's life: read only)."""
+        return self._latency_dict
 
     def model_time_s(self) -> float:
         return (self.clock() - self._wall_origin_s) / self.time_scale
@@ -119,14 +129,28 @@ class EmulatedEngine:
         return bool(self.scheduler.has_unfinished_requests)
 
     async def step(self) -> EngineStepOutput:
-        scheduler = self.scheduler
-        started_model_s = scheduler.now_s
-        result = scheduler.step()
+        result = self.start_step()
         if result is None:
-            return EngineStepOutput((), (), scheduler.now_s)
-        end_wall_s = self._wall_origin_s + (started_model_s + result.duration_s) * self.time_scale
+            return EngineStepOutput((), (), self.scheduler.now_s)
+        end_wall_s = self.step_end_wall_s(result)
         await asyncio.sleep(max(0.0, end_wall_s - self.clock()))
-        lag_ms = max(0.0, (self.clock() - end_wall_s) * 1000 / self.time_scale)
+        return self.finish_step(result)
+
+    # The two halves of :meth:`step`, for a driver that keeps time itself (the cluster
+    # simulation runs them at the step's start and end in virtual time).
+
+    def start_step(self) -> StepResult | None:
+        """Run the next step on the engine model (it takes no time here); None when idle."""
+        return self.scheduler.step()
+
+    def step_end_wall_s(self, result: StepResult) -> float:
+        """When, on this engine's clock, the step ``result`` ends."""
+        return self._wall_origin_s + (result.started_at_s + result.duration_s) * self.time_scale
+
+    def finish_step(self, result: StepResult) -> EngineStepOutput:
+        """What the step ``result`` produced, reported at its end (or later: the lag)."""
+        lag_ms = max(0.0, (self.clock() - self.step_end_wall_s(result)) * 1000 / self.time_scale)
+        scheduler = self.scheduler
         # A late wake-up moves the engine clock on: model time never runs ahead of wall time.
         scheduler.now_s = max(scheduler.now_s, self.model_time_s())
         return EngineStepOutput(
@@ -143,9 +167,11 @@ class EmulatedEngine:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _events(self, result: Any) -> tuple[TokenEvent, ...]:
-        first = set(result.first_token_ids)
+    def _events(self, result: StepResult) -> tuple[TokenEvent, ...]:
         finished = {r.request_id: r for r in result.finished}
+        if not self.options.stream_tokens:
+            return self._milestone_events(result, finished)
+        first = set(result.first_token_ids)
         events = []
         for request_id in result.produced_token_ids:
             spec = self._specs.get(request_id)
@@ -153,13 +179,32 @@ class EmulatedEngine:
                 continue
             num_emitted = self._num_emitted[request_id]
             self._num_emitted[request_id] = num_emitted + 1
-            reason = None
-            if request_id in finished:
-                reason = "length" if num_emitted + 1 >= spec.max_tokens else "stop"
-                del self._specs[request_id], self._num_emitted[request_id]
+            reason = self._finish_reason(request_id, spec, num_emitted + 1) if request_id in finished else None
             events.append(TokenEvent(request_id, synthetic_token_text(num_emitted), 1,
                                      request_id in first, reason is not None, reason))
         return tuple(events)
+
+    def _milestone_events(self, result: StepResult, finished: dict[str, EngineRequest]) -> tuple[TokenEvent, ...]:
+        """First tokens and finishes only, with the tokens produced since the last event."""
+        events = []
+        for request_id in result.first_token_ids:
+            if request_id not in finished and request_id in self._specs:
+                self._num_emitted[request_id] = 1
+                events.append(TokenEvent(request_id, "", 1, True, False, None))
+        first = set(result.first_token_ids)
+        for request_id, request in finished.items():
+            spec = self._specs.get(request_id)
+            if spec is None:
+                continue
+            num_new_tokens = request.num_generated_tokens - self._num_emitted[request_id]
+            reason = self._finish_reason(request_id, spec, request.num_generated_tokens)
+            events.append(TokenEvent(request_id, "", num_new_tokens, request_id in first, True, reason))
+        return tuple(events)
+
+    def _finish_reason(self, request_id: str, spec: EngineRequestSpec, num_output_tokens: int) -> str:
+        """Why a finished request stopped; forgets it."""
+        del self._specs[request_id], self._num_emitted[request_id]
+        return "length" if num_output_tokens >= spec.max_tokens else "stop"
 
     def _progress(self, request: EngineRequest) -> RequestProgress:
         spec = self._specs.get(request.request_id)

@@ -1,0 +1,143 @@
+"""The dispatcher's placement core: what the Redis service and the simulator both drive.
+
+:class:`DispatcherCore` applies heartbeats, places batches of requests and re-places the
+unstarted requests of an instance that left. It owns its cluster view and the replicas
+in it, reads no clock (every call takes ``now_s``, the caller's clock in seconds) and
+does no I/O: it returns what to write, and the caller writes it. The one thing it may
+measure is how long a decision took, with the ``timer`` it is given (none: decisions are
+reported as taking 0 ms), so that the live service can report it; nothing it decides
+depends on that figure.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from blockq.health import HealthPolicy
+from blockq.protocol import Assignment, Heartbeat, Request
+from dispatcher.cluster_view import ClusterView, InstanceView
+from dispatcher.lengths import check_length_mode
+from dispatcher.policies import Policy, make_policy, policy_spec
+from dispatcher.priority import eligible_candidates
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """``request`` (with its :class:`Assignment`) goes to ``request.assignment.instance_id``."""
+
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """No instance may take ``request`` now (no live instance, or batch work waiting for
+    idle capacity); the caller keeps it and offers it again later."""
+
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """``request`` cannot be placed at all (e.g. ``oracle`` without a true length)."""
+
+    request: Request
+    reason: str
+
+
+Outcome = Placed | Held | Rejected
+
+
+@dataclass
+class CoreStats:
+    """Counts since start; ``decision_ms`` holds the latest decision times (timer's clock)."""
+
+    num_beats_applied: int = 0
+    num_beats_rejected: int = 0
+    num_placed: int = 0
+    num_held: int = 0
+    num_rejected: int = 0
+    decision_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+
+
+class DispatcherCore:
+    """One policy over one cluster view (see the module docstring).
+
+    ``lengths`` overrides the output lengths the replicas simulate with (default: the
+    policy's, :data:`dispatcher.policies.POLICIES`)."""
+
+    def __init__(self, policy_name: str, *, seed: int | None = None, objective: str = "e2e",
+                 lengths: str | None = None, health_policy: HealthPolicy | None = None,
+                 resync_interval_s: float = 0.3, timer: Callable[[], float] | None = None) -> None:
+        spec = policy_spec(policy_name)
+        self.lengths = check_length_mode(lengths or spec.lengths)
+        self.view = ClusterView(health_policy, keep_replicas=spec.simulates, lengths=self.lengths,
+                                resync_interval_s=resync_interval_s)
+        self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective)
+        self.timer = timer
+        self.stats = CoreStats()
+
+    @property
+    def simulates(self) -> bool:
+        """Whether the policy simulates replicas (and so needs the compiled kernel)."""
+        return self.view.keep_replicas
+
+    # --- heartbeats and health ----------------------------------------------------------
+
+    def apply_heartbeat(self, beat: Heartbeat, now_s: float) -> str | None:
+        """Apply one beat received at ``now_s``; returns None, or why the beat was rejected
+        (counted; the beat changes nothing and the core carries on)."""
+        try:
+            self.view.apply_heartbeat(beat, now_s)
+        except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
+            self.stats.num_beats_rejected += 1
+            return f"{type(exc).__name__}: {exc}"
+        self.stats.num_beats_applied += 1
+        return None
+
+    def refresh_health(self, now_s: float) -> list[str]:
+        """Update health from beat ages; the ids of instances that just became ``dead``."""
+        return [view.instance_id for view in self.view.refresh_health(now_s)]
+
+    def live_instances(self) -> list[InstanceView]:
+        return self.view.live_instances()
+
+    # --- placement ----------------------------------------------------------------------
+
+    def place(self, requests: Sequence[Request], now_s: float) -> list[Outcome]:
+        """Place ``requests`` in order, each decision seeing the ones before it; one
+        outcome per request, in the same order."""
+        live = self.view.live_instances()
+        return [self._place_one(request, live, now_s) for request in requests]
+
+    def replace_unstarted(self, instance_id: str, requests: Sequence[Request], now_s: float) -> list[Outcome]:
+        """Place again the requests an instance received but never started (it died or is
+        draining), on the other live instances; the instance forgets what it was given."""
+        live = [view for view in self.view.live_instances() if view.instance_id != instance_id]
+        outcomes = [self._place_one(request, live, now_s) for request in requests]
+        left = self.view.instances.get(instance_id)
+        if left is not None:
+            left.assigned_not_seen.clear()
+        return outcomes
+
+    def _place_one(self, request: Request, live: list[InstanceView], now_s: float) -> Outcome:
+        candidates = eligible_candidates(request, live) if live else []
+        if not candidates:  # batch work waits for idle capacity; so does everything with no instance
+            self.stats.num_held += 1
+            return Held(request)
+        started = self.timer() if self.timer is not None else 0.0
+        try:
+            decision = self.policy.choose(request, candidates, now_s)
+            decision_ms = (self.timer() - started) * 1000 if self.timer is not None else 0.0
+            placed = request.with_assignment(Assignment(
+                instance_id=decision.instance_id, policy=self.policy.name, decided_at_s=now_s,
+                decision_ms=decision_ms, predicted_ttft_ms=decision.predicted_ttft_ms,
+                predicted_e2e_ms=decision.predicted_e2e_ms))
+            self.view.record_assignment(decision.instance_id, placed)
+        except ValueError as exc:
+            self.stats.num_rejected += 1
+            return Rejected(request, f"placement failed: {exc}")
+        self.stats.decision_ms.append(decision_ms)
+        self.stats.num_placed += 1
+        return Placed(placed)

@@ -1,0 +1,215 @@
+"""A cluster in virtual time: discrete events over N simulated instances and the
+dispatcher core.
+
+The dispatcher is :class:`~dispatcher.core.DispatcherCore`, the object the live service
+drives; here it is driven as the live service's loop would drive it: beats are applied
+as they arrive while it is idle (or before its next batch while it is busy), requests
+are read in batches of up to ``dispatch_batch_size`` and placed with one ``now_s`` per
+batch, the batch's writes land after all of its decisions, and held requests are
+offered again whenever a beat arrives. Instances are
+:class:`~loadgen.simulation.instance.SimulatedInstance`.
+
+Events are ordered by (time, sequence number), so a run is a pure function of its
+inputs and seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from blockq.protocol import FinalRecord, Heartbeat, Request
+from dispatcher.core import DispatcherCore, Held, Placed
+from loadgen.metrics import KvSample
+from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.instance import SimulatedInstance
+from workers.engines.emulated import EmulatedEngineOptions
+from workers.worker import WorkerOptions
+
+# Event kinds, in the order same-time events are handled.
+_STEP_END, _INTAKE, _ENQUEUE, _BEAT, _BEAT_ARRIVES, _ARRIVE, _DISPATCH_DONE = range(7)
+
+
+@dataclass
+class ClusterResult:
+    """Final records by request id (``None`` for a request the dispatcher rejected, with
+    its reason in ``rejected``), KV samples from the beats, and counts."""
+
+    finals: dict[str, FinalRecord]
+    rejected: dict[str, str]
+    kv_samples: list[KvSample]
+    num_events: int
+    end_s: float
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class ClusterSimulation:
+    """One run: ``run(arrivals)`` with (arrival time s, annotated request) pairs."""
+
+    def __init__(self, config: SimulationConfig) -> None:
+        self.config = config
+        self.now_s = 0.0
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self.core = DispatcherCore(config.policy, seed=config.seed, objective=config.objective)
+        rng = random.Random(config.seed)
+        worker_options = WorkerOptions(bundle_size=config.bundle_size, idle_poll_ms=int(config.idle_poll_ms))
+        clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instances' wall clock
+        self.instances: dict[str, SimulatedInstance] = {}
+        for index in range(config.instances):
+            instance_id = f"gpu{index}"
+            options = EmulatedEngineOptions(preset=config.preset, noise_sigma=config.noise_sigma, stream_tokens=False,
+                                            seed=rng.randrange(2**31))
+            self.instances[instance_id] = SimulatedInstance.create(instance_id, options, worker_options, clock)
+            # Beats start at a random phase, as independently started workers do.
+            self._push(rng.random() * config.heartbeat_ms / 1000, _BEAT, instance_id)
+        self._ready: deque[Request] = deque()
+        self._held: list[Request] = []
+        self._pending_beats: list[Heartbeat] = []
+        self._dispatcher_busy = False
+        self._intake_scheduled: set[str] = set()
+        self._num_expected = 0
+        self.result = ClusterResult({}, {}, [], 0, 0.0)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(self, arrivals: Sequence[tuple[float, Request]],
+            on_progress: Callable[[int, int], None] | None = None) -> ClusterResult:
+        """Simulate until every request is answered (arrival times are model seconds
+        from the first request; the instances start ``warmup_s`` before it)."""
+        warmup_s = self.config.warmup_s
+        ingress_s = self.config.ingress_delay_ms / 1000
+        for arrival_s, request in arrivals:
+            self._push(warmup_s + arrival_s + ingress_s, _ARRIVE, request)
+        self._num_expected = len(arrivals)
+        handlers = (self._on_step_end, self._on_intake, self._on_enqueue, self._on_beat,
+                    self._on_beat_arrives, self._on_arrive, self._on_dispatch_done)
+        result = self.result
+        num_answered = 0
+        events = self._events
+        while events and num_answered < self._num_expected:
+            time_s, _, kind, payload = heapq.heappop(events)
+            self.now_s = time_s
+            result.num_events += 1
+            handlers[kind](payload)
+            answered = len(result.finals) + len(result.rejected)
+            if answered != num_answered:
+                num_answered = answered
+                if on_progress is not None:
+                    on_progress(num_answered, self._num_expected)
+        result.end_s = self.now_s
+        result.counters = self._counters()
+        return result
+
+    def _push(self, time_s: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time_s, self._seq, kind, payload))
+
+    # --- dispatcher ---------------------------------------------------------------------
+
+    def _on_arrive(self, request: Request) -> None:
+        self._ready.append(request)
+        if not self._dispatcher_busy:
+            self._dispatch()
+
+    def _on_beat_arrives(self, beat: Heartbeat) -> None:
+        if self._dispatcher_busy:
+            self._pending_beats.append(beat)
+            return
+        self.core.apply_heartbeat(beat, self.now_s)
+        if self._held:
+            self._dispatch()
+
+    def _on_dispatch_done(self, placed: list[Request]) -> None:
+        queue_s = self.config.queue_delay_ms / 1000
+        for request in placed:
+            self._push(self.now_s + queue_s, _ENQUEUE, request)
+        self._dispatcher_busy = False
+        if self._ready:
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """One dispatcher loop iteration: beats, then held and new requests, one now_s."""
+        now_s = self.now_s
+        for beat in self._pending_beats:
+            self.core.apply_heartbeat(beat, now_s)
+        self._pending_beats.clear()
+        self.core.refresh_health(now_s)
+        batch = self._held
+        for _ in range(min(self.config.dispatch_batch_size, len(self._ready))):
+            batch.append(self._ready.popleft())
+        self._held = []
+        placed: list[Request] = []
+        for outcome in self.core.place(batch, now_s):
+            if isinstance(outcome, Placed):
+                placed.append(outcome.request)
+            elif isinstance(outcome, Held):
+                self._held.append(outcome.request)
+            else:
+                self.result.rejected[outcome.request.id] = outcome.reason
+        if not batch:
+            return
+        self._dispatcher_busy = True
+        self._push(now_s + len(batch) * self.config.decision_s, _DISPATCH_DONE, placed)
+
+    # --- instances ----------------------------------------------------------------------
+
+    def _on_enqueue(self, request: Request) -> None:
+        if request.assignment is None:
+            raise RuntimeError(f"{request.id}: enqueued without an assignment")
+        instance = self.instances[request.assignment.instance_id]
+        instance.queue.append(request)
+        if instance.intake_blocked_since_s is None:  # the intake waits in XREAD: it reads at once
+            self._take(instance)
+        else:
+            self._schedule_intake(instance)
+
+    def _on_intake(self, instance_id: str) -> None:
+        self._intake_scheduled.discard(instance_id)
+        self._take(self.instances[instance_id])
+
+    def _take(self, instance: SimulatedInstance) -> None:
+        for final in instance.take_from_queue(self.now_s):
+            self.result.finals[final.request_id] = final
+        if not instance.stepping:
+            self._start_step(instance)
+
+    def _start_step(self, instance: SimulatedInstance) -> None:
+        end_s = instance.start_step()
+        if end_s is not None:
+            self._push(end_s, _STEP_END, instance.instance_id)
+
+    def _on_step_end(self, instance_id: str) -> None:
+        instance = self.instances[instance_id]
+        for final in instance.finish_step(self.now_s):
+            self.result.finals[final.request_id] = final
+        self._start_step(instance)
+        self._schedule_intake(instance)
+
+    def _schedule_intake(self, instance: SimulatedInstance) -> None:
+        if instance.instance_id in self._intake_scheduled:
+            return
+        check_s = instance.next_intake_check_s(self.now_s)
+        if check_s is not None:
+            self._intake_scheduled.add(instance.instance_id)
+            self._push(check_s, _INTAKE, instance.instance_id)
+
+    def _on_beat(self, instance_id: str) -> None:
+        instance = self.instances[instance_id]
+        beat = instance.heartbeat()
+        num_blocks = instance.engine.config.num_gpu_blocks
+        self.result.kv_samples.append(KvSample(self.now_s - self.config.warmup_s, instance_id,
+                                               beat.num_used_blocks / num_blocks))
+        self._push(self.now_s + self.config.heartbeat_delay_ms / 1000, _BEAT_ARRIVES, beat)
+        self._push(self.now_s + self.config.heartbeat_ms / 1000, _BEAT, instance_id)
+
+    def _counters(self) -> dict[str, int]:
+        stats = self.core.stats
+        return {"events": self.result.num_events, "steps": sum(i.counters.num_steps for i in self.instances.values()),
+                "beats": sum(i.counters.num_beats for i in self.instances.values()),
+                "beats_rejected": stats.num_beats_rejected, "placed": stats.num_placed,
+                "held": stats.num_held, "rejected": stats.num_rejected}

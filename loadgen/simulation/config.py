@@ -1,0 +1,80 @@
+"""What a cluster simulation models, in one validated place.
+
+Times are model seconds or milliseconds (``_s``, ``_ms``). The delays stand for what the
+live pipeline adds between its parts; their defaults are the measured figures named
+beside them, so that the simulated latencies are the pipeline's, not an ideal cluster's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dispatcher.forecast import OBJECTIVES
+from dispatcher.policies import policy_spec
+
+# One placement decision, ms (p50 of `blockq dispatch-bench --instances 16 --running 48
+# --waiting 20`, one core: see the README's decision-cost table). A policy not listed
+# costs the simulating policies' figure when it simulates, else the static rules'.
+DECISION_COST_MS = {
+    "round_robin": 0.003, "random": 0.004, "least_requests": 0.010, "least_kv": 0.021,
+    "llumnix": 0.025, "power_of_two": 0.085, "block": 0.393, "block_kv_guard": 0.396, "oracle": 0.341,
+}
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """One simulated cluster run.
+
+    ``ingress_delay_ms``: from a client's submit until the dispatcher can read the
+    annotated request (the predictor stage and two stream hops). ``heartbeat_ms`` /
+    ``heartbeat_delay_ms``: a worker's beat period, and how long a beat takes to reach the
+    dispatcher. ``decision_delay_ms``: the cost of one placement (None: the policy's
+    measured cost, :data:`DECISION_COST_MS`); a batch's queue writes land after all of its
+    decisions. ``queue_delay_ms``: from the dispatcher's write until the instance's intake
+    can read it. ``noise_sigma``: lognormal step-time noise of the emulated engines (as
+    ``blockq worker --noise``). ``warmup_s``: instances beat this long before the first
+    request, so that the dispatcher knows them all.
+    """
+
+    instances: int = 12
+    preset: str = "llama2-7b-a30"
+    policy: str = "round_robin"
+    objective: str = "e2e"
+    seed: int = 1
+    heartbeat_ms: float = 100.0
+    heartbeat_delay_ms: float = 1.0
+    decision_delay_ms: float | None = None
+    ingress_delay_ms: float = 5.0
+    queue_delay_ms: float = 1.0
+    dispatch_batch_size: int = 128
+    bundle_size: int = 16
+    idle_poll_ms: float = 50.0
+    noise_sigma: float = 0.05
+    warmup_s: float = 1.0
+    slo_ttft_ms: float = 3000.0
+
+    def __post_init__(self) -> None:
+        policy_spec(self.policy)  # ValueError naming the valid policies
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective: must be one of {', '.join(OBJECTIVES)} (got {self.objective!r})")
+        if self.instances < 1:
+            raise ValueError(f"instances: must be >= 1 (got {self.instances})")
+        if self.heartbeat_ms <= 0:
+            raise ValueError(f"heartbeat_ms: must be > 0 (got {self.heartbeat_ms})")
+        for name in ("heartbeat_delay_ms", "ingress_delay_ms", "queue_delay_ms", "warmup_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+        if self.decision_delay_ms is not None and self.decision_delay_ms < 0:
+            raise ValueError(f"decision_delay_ms: must be >= 0 (got {self.decision_delay_ms})")
+        if self.dispatch_batch_size < 1 or self.bundle_size < 1:
+            raise ValueError("dispatch_batch_size, bundle_size: must be >= 1")
+        if not 0 <= self.noise_sigma <= 1:
+            raise ValueError(f"noise_sigma: must be in [0, 1] (got {self.noise_sigma})")
+
+    @property
+    def decision_s(self) -> float:
+        """Model seconds one placement decision takes."""
+        if self.decision_delay_ms is not None:
+            return self.decision_delay_ms / 1000
+        fallback = DECISION_COST_MS["block" if policy_spec(self.policy).simulates else "llumnix"]
+        return DECISION_COST_MS.get(self.policy, fallback) / 1000

@@ -1,0 +1,59 @@
+"""Tables over several seeds: each figure as mean ± sd of the per-seed runs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# (header, summary key, scale, decimals)
+_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
+    ("TTFT mean ms", "ttft_mean_ms", 1.0, 0),
+    ("TTFT p50 ms", "ttft_p50_ms", 1.0, 0),
+    ("TTFT p90 ms", "ttft_p90_ms", 1.0, 0),
+    ("TTFT p99 ms", "ttft_p99_ms", 1.0, 0),
+    ("E2E mean ms", "e2e_mean_ms", 1.0, 0),
+    ("E2E p99 ms", "e2e_p99_ms", 1.0, 0),
+    ("goodput %", "goodput", 100.0, 1),
+    ("preemptions", "preemptions_total", 1.0, 0),
+)
+
+
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _cell(values: Sequence[float], scale: float, decimals: int) -> str:
+    if not values:
+        return "–"
+    mean, sd = mean_sd([v * scale for v in values])
+    if len(values) == 1:
+        return f"{mean:,.{decimals}f}"
+    return f"{mean:,.{decimals}f} ± {sd:,.{decimals}f}"
+
+
+def mean_sd_table(results: Sequence[Mapping[str, Any]]) -> str:
+    """One row per (rate, policy) in first-seen order; each cell mean ± sd over its seeds."""
+    groups: dict[tuple[Any, str], list[Mapping[str, Any]]] = {}
+    for result in results:
+        groups.setdefault((result.get("rate"), str(result.get("policy"))), []).append(result)
+    header = "| policy | rate req/s | seeds | " + " | ".join(c[0] for c in _COLUMNS) + " |"
+    lines = [header, "|" + "---|" * (len(_COLUMNS) + 3)]
+    for (rate, policy), runs in groups.items():
+        cells = [_cell([r[key] for r in runs if r.get(key) is not None], scale, decimals)
+                 for _, key, scale, decimals in _COLUMNS]
+        lines.append(f"| {policy} | {rate:g} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def capacity_table(capacities: Sequence[Mapping[str, Any]], slo_ttft_ms: float) -> str:
+    """Capacity per policy (mean ± sd over seeds) and each seed's figure."""
+    lines = [f"| policy | capacity req/s (P99 TTFT <= {slo_ttft_ms:g} ms) | per seed |", "|---|---|---|"]
+    for item in capacities:
+        per_seed = ", ".join(f"{entry['seed']}: {entry['capacity_rps']:.2f}" for entry in item["per_seed"])
+        lines.append(f"| {item['policy']} | {item['capacity_rps']:.2f} ± {item['capacity_rps_sd']:.2f} | {per_seed} |")
+    return "\n".join(lines) + "\n"

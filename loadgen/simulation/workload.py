@@ -1,0 +1,86 @@
+"""The requests of a simulated run: a sample of a trace, annotated up front by the real
+predictor backends, then paired with arrival times.
+
+Predictions do not depend on when a request arrives or where it goes, so a sample is
+annotated once (in the predictor stage's batches, through its own
+:func:`~predictor_service.stage.annotate`) and reused for every policy and rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from blockq.keys import Keys
+from blockq.protocol import Request
+from blockq.tokenizer import TokenCounter, get_token_counter
+from loadgen.arrivals import build_schedule
+from loadgen.replay import ReplayOptions, max_tokens_for
+from loadgen.traces import TraceRequest, load_trace
+from predictor_service.models import LengthPredictor, load_predictor
+from predictor_service.stage import StageOptions, annotate, prediction_inputs
+
+
+@dataclass(frozen=True)
+class AnnotatedSample:
+    """Trace requests and their annotated :class:`Request` (same order); ``rejected``:
+    indexes the predictor could not annotate, with the reason (dead-lettered live)."""
+
+    trace_requests: tuple[TraceRequest, ...]
+    requests: tuple[Request | None, ...]
+    rejected: dict[int, str]
+    seed: int
+
+
+def sample_trace(trace: str, num_requests: int, seed: int, *, redraw: bool) -> list[TraceRequest]:
+    """``num_requests`` requests of ``trace``: the first ones, as ``blockq bench`` replays
+    them, or with ``redraw`` a random sample (in random order) drawn with ``seed``."""
+    if not redraw:
+        return load_trace(trace, limit=num_requests, seed=seed)
+    pool = load_trace(trace, limit=None if trace != "synthetic" else num_requests, seed=seed)
+    if len(pool) <= num_requests:
+        return random.Random(seed).sample(pool, len(pool))
+    return random.Random(seed).sample(pool, num_requests)
+
+
+def annotate_sample(trace_requests: Sequence[TraceRequest], seed: int, *, predictor: str = "heuristic",
+                    predictor_model: str | None = None, token_counter: TokenCounter | None = None,
+                    batch_size: int = StageOptions.batch_size) -> AnnotatedSample:
+    """Each request as the client would submit it, annotated by the named backend."""
+    model: LengthPredictor = load_predictor(predictor, predictor_model)
+    counter = token_counter or get_token_counter()
+    keys = Keys()
+    options = ReplayOptions()
+    raw = [Request(id=f"s{seed}-{index:06d}", prompt=request.prompt, max_tokens=max_tokens_for(request, options),
+                   reply_stream=keys.reply(f"s{seed}-{index:06d}"), submitted_at_s=0.0,
+                   true_output_tokens=request.true_output_tokens,
+                   trace_predicted_output_tokens=request.predicted_output_tokens)
+           for index, request in enumerate(trace_requests)]
+    annotated: list[Request | None] = []
+    rejected: dict[int, str] = {}
+    for start in range(0, len(raw), batch_size):
+        batch = raw[start:start + batch_size]
+        for offset, result in enumerate(annotate(model, batch, prediction_inputs(batch, counter))):
+            if isinstance(result, str):
+                rejected[start + offset] = result
+                annotated.append(None)
+            else:
+                annotated.append(result)
+    return AnnotatedSample(tuple(trace_requests), tuple(annotated), rejected, seed)
+
+
+def arrivals_for(sample: AnnotatedSample, *, rate_per_s: float | None, burstiness: float = 1.0,
+                 use_trace_times: bool = False) -> list[tuple[float, int]]:
+    """(arrival offset s, index into the sample) in submit order, as ``blockq bench``
+    schedules them (:func:`loadgen.arrivals.build_schedule`, seeded with the sample's seed)."""
+    position = {id(request): index for index, request in enumerate(sample.trace_requests)}
+    schedule = build_schedule(sample.trace_requests, rate_per_s=rate_per_s, burstiness=burstiness,
+                              seed=sample.seed, use_trace_times=use_trace_times)
+    return [(offset_s, position[id(request)]) for offset_s, request in schedule]
+
+
+def submitted(request: Request, submitted_at_s: float) -> Request:
+    """``request`` as submitted at ``submitted_at_s`` (the simulation's clock)."""
+    return dataclasses.replace(request, submitted_at_s=submitted_at_s)

@@ -1,0 +1,71 @@
+"""The dispatcher core without I/O: beats it cannot use, assignments only once a replica
+took them, one length mode handed in, unstarted requests placed again."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from blockq.protocol import Prediction
+from dispatcher.core import DispatcherCore, Held, Placed, Rejected
+from tests.factories import make_heartbeat, make_request
+
+
+def test_a_beat_the_core_cannot_use_is_rejected_counted_and_changes_nothing() -> None:
+    core = DispatcherCore("block", seed=0)
+    assert core.apply_heartbeat(make_heartbeat("a", sent_at_s=0.0), 0.0) is None
+    bad = dataclasses.replace(make_heartbeat("b", sent_at_s=0.0), engine_config={"num_gpu_blocks": 0})
+    reason = core.apply_heartbeat(bad, 0.1)
+    assert reason is not None and "num_gpu_blocks" in reason
+    unknown_preset = dataclasses.replace(make_heartbeat("c", sent_at_s=0.0), preset="vllm")
+    assert "preset" in (core.apply_heartbeat(unknown_preset, 0.1) or "")
+    assert core.stats.num_beats_rejected == 2 and core.stats.num_beats_applied == 1
+    assert [v.instance_id for v in core.live_instances()] == ["a"]
+    # The core carries on: a request is still placed on the instance it could use.
+    (outcome,) = core.place([make_request(predicted=50)], 0.2)
+    assert isinstance(outcome, Placed) and outcome.request.assignment.instance_id == "a"
+
+
+def test_replicas_belong_to_the_core_and_lengths_are_one_value() -> None:
+    assert DispatcherCore("round_robin").view.keep_replicas is False
+    assert DispatcherCore("block").view.keep_replicas is True
+    assert DispatcherCore("oracle").lengths == "truth"
+    core = DispatcherCore("block", lengths="upper")
+    core.apply_heartbeat(make_heartbeat("a", sent_at_s=0.0), 0.0)
+    replica = core.view.instances["a"].replica
+    assert replica is not None and replica.lengths == "upper"
+    request = make_request().with_prediction(Prediction(10, 100, 50, 400, "t"))
+    assert replica.request_size(request) == (10, 400)
+    assert replica.request_size(request, lengths="median") == (10, 100)
+    with pytest.raises(ValueError, match="lengths"):
+        DispatcherCore("block", lengths="mean")
+
+
+def test_an_assignment_the_replica_refuses_is_not_recorded() -> None:
+    core = DispatcherCore("oracle", seed=0)
+    core.apply_heartbeat(make_heartbeat("a", sent_at_s=0.0), 0.0)
+    no_truth = make_request(predicted=50)
+    with_truth = make_request(predicted=50, true_output_tokens=40)
+    rejected, placed = core.place([no_truth, with_truth], 0.0)
+    assert isinstance(rejected, Rejected) and "true_output_tokens" in rejected.reason
+    assert isinstance(placed, Placed)
+    view = core.view.instances["a"]
+    assert list(view.assigned_not_seen) == [with_truth.id] and view.num_assigned_total == 1
+    assert view.replica is not None and view.replica.scheduler.request_ids == [with_truth.id]
+    assert core.stats.num_rejected == 1 and core.stats.num_placed == 1
+
+
+def test_held_without_instances_and_unstarted_requests_move_elsewhere() -> None:
+    core = DispatcherCore("least_requests", seed=0)
+    requests = [make_request(predicted=20) for _ in range(4)]
+    assert all(isinstance(o, Held) for o in core.place(requests, 0.0))
+    for instance_id in ("a", "b"):
+        core.apply_heartbeat(make_heartbeat(instance_id, sent_at_s=0.0), 0.0)
+    outcomes = core.place(requests, 0.1)
+    on_a = [o.request for o in outcomes if isinstance(o, Placed) and o.request.assignment.instance_id == "a"]
+    assert len(on_a) == 2
+    moved = core.replace_unstarted("a", on_a, 0.2)
+    assert all(isinstance(o, Placed) and o.request.assignment.instance_id == "b" for o in moved)
+    assert core.view.instances["a"].assigned_not_seen == {}
+    assert len(core.view.instances["b"].assigned_not_seen) == 4

@@ -1,0 +1,156 @@
+"""The cluster simulation: the engine model's own timeline, determinism, the same
+decisions as the Redis service, and ``blockq simulate`` end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+
+from blockq.config import Settings
+from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
+from blockq.keys import PAYLOAD_FIELD
+from blockq.protocol import Heartbeat, Request, decode_request, encode
+from blockq.streams import connect_async
+from dispatcher.core import DispatcherCore
+from dispatcher.service import Dispatcher
+from loadgen.simulation.cluster import ClusterSimulation
+from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.runner import simulate_run
+from loadgen.simulation.workload import annotate_sample, arrivals_for, sample_trace, submitted
+from tests.conftest import run_blockq
+
+
+def _sample(num_requests: int, seed: int, *, redraw: bool = False, predictor: str = "heuristic"):  # noqa: ANN202
+    return annotate_sample(sample_trace("synthetic", num_requests, seed, redraw=redraw), seed, predictor=predictor)
+
+
+def test_one_instance_timeline_equals_stepping_the_engine_model_by_hand() -> None:
+    """With one instance, no delays and no noise, every request's first token and finish
+    are where stepping the reference scheduler puts them (a request that arrives during a
+    step is first seen by the next one; an idle engine starts at the arrival)."""
+    config = SimulationConfig(instances=1, policy="round_robin", noise_sigma=0.0, ingress_delay_ms=0.0,
+                              queue_delay_ms=0.0, decision_delay_ms=0.0, heartbeat_delay_ms=0.0)
+    sample = _sample(40, seed=5)
+    run = simulate_run(config, sample, rate_per_s=3.0)
+    preset = get_preset(config.preset)
+    scheduler = EngineScheduler(preset.config, preset.latency_model)
+    arrivals = sorted((config.warmup_s + offset_s, index) for offset_s, index in arrivals_for(sample, rate_per_s=3.0))
+    expected: dict[str, tuple[float, float]] = {}
+    first_token_at: dict[str, float] = {}
+    submitted_at = {sample.requests[i].id: t for t, i in arrivals}
+    pending = list(arrivals)
+    while pending or scheduler.has_unfinished_requests:
+        if not scheduler.has_unfinished_requests:
+            scheduler.now_s = max(scheduler.now_s, pending[0][0])
+        while pending and pending[0][0] <= scheduler.now_s:
+            _, index = pending.pop(0)
+            request, trace_request = sample.requests[index], sample.trace_requests[index]
+            scheduler.add_request(EngineRequest(request.id, request.prediction.prompt_tokens,
+                                                trace_request.true_output_tokens, arrival_s=scheduler.now_s))
+        result = scheduler.step()
+        end_s = result.started_at_s + result.duration_s
+        for request_id in result.first_token_ids:
+            first_token_at[request_id] = end_s
+        for finished in result.finished:
+            expected[finished.request_id] = (first_token_at[finished.request_id], end_s)
+    assert len(expected) == 40 and len(run.records) == 40
+    # Not trivial: requests ran side by side, and some first tokens waited on others' steps.
+    ttfts = sorted(r.ttft_ms for r in run.records)
+    assert ttfts[-1] > 3 * ttfts[0]
+    assert sum(1 for r in run.records if r.e2e_ms / 1000 > 1 / 3.0) > 30
+    for record in run.records:
+        first_s, finish_s = expected[record.request_id]
+        assert record.ttft_ms == max(0.0, (first_s - submitted_at[record.request_id]) * 1000)
+        assert record.e2e_ms == max(0.0, (finish_s - submitted_at[record.request_id]) * 1000)
+        assert record.ok and record.output_tokens == record.true_output_tokens
+
+
+def test_runs_are_deterministic_and_seeds_draw_new_samples() -> None:
+    config = SimulationConfig(instances=3, policy="block", seed=2)
+    sample = _sample(120, seed=2)
+
+    def dump() -> str:
+        run = simulate_run(config, sample, rate_per_s=6.0)
+        return json.dumps({"summary": run.summary, "records": [r.__dict__ for r in run.records]}, sort_keys=True)
+
+    first = dump()
+    assert first == dump()
+    assert json.loads(first)["summary"]["completed"] == 120
+    lengths_1 = [r.true_output_tokens for r in _sample(50, seed=1, redraw=True).trace_requests]
+    lengths_2 = [r.true_output_tokens for r in _sample(50, seed=2, redraw=True).trace_requests]
+    assert lengths_1 != lengths_2
+
+
+async def test_the_core_decides_alike_through_redis_and_in_the_simulation(settings: Settings,
+                                                                        sync_redis: redis.Redis) -> None:
+    """Record what the simulated core saw (beats, batches, each with its time), feed the
+    same beats and requests through Redis to the service at the same clock readings: the
+    same instances and the same forecasts."""
+    config = SimulationConfig(instances=3, policy="block", seed=4)
+    sample = _sample(60, seed=4)
+    simulation = ClusterSimulation(config)
+    log: list[tuple[str, float, object]] = []
+    apply_beat, place = simulation.core.apply_heartbeat, simulation.core.place
+
+    def recording_apply(beat: Heartbeat, now_s: float) -> str | None:
+        log.append(("beat", now_s, beat))
+        return apply_beat(beat, now_s)
+
+    def recording_place(requests: list[Request], now_s: float) -> list:
+        outcomes = place(requests, now_s)
+        log.append(("batch", now_s, (list(requests), outcomes)))
+        return outcomes
+
+    simulation.core.apply_heartbeat, simulation.core.place = recording_apply, recording_place  # type: ignore[method-assign]
+    simulation.run([(t, submitted(sample.requests[i], config.warmup_s + t))
+                    for t, i in arrivals_for(sample, rate_per_s=8.0)])
+    clock = {"now_s": 0.0}
+    client = connect_async(settings.redis_url)
+    dispatcher = Dispatcher(client, settings, DispatcherCore("block", seed=4), dispatcher_id="d",
+                            clock=lambda: clock["now_s"])
+    await dispatcher.consumer.ensure_group()
+    expected: dict[str, tuple[str, float | None]] = {}
+    for kind, now_s, payload in log:
+        clock["now_s"] = now_s
+        if kind == "beat":
+            sync_redis.xadd(settings.keys.heartbeats, {PAYLOAD_FIELD: encode(payload)})
+            await dispatcher.follow_heartbeats()
+            continue
+        requests, outcomes = payload  # type: ignore[misc]
+        for request, outcome in zip(requests, outcomes, strict=True):
+            sync_redis.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(request)})
+            expected[request.id] = (outcome.request.assignment.instance_id, outcome.request.assignment.predicted_ttft_ms)
+        await dispatcher.place_batch(await dispatcher.consumer.read(len(requests), 10))
+    got: dict[str, tuple[str, float | None]] = {}
+    for instance_id in simulation.instances:
+        for _, fields in sync_redis.xrange(settings.keys.instance_queue(instance_id)):
+            placed = decode_request(fields[PAYLOAD_FIELD.encode()])
+            got[placed.id] = (placed.assignment.instance_id, placed.assignment.predicted_ttft_ms)
+    assert len(expected) == 60 and got == expected
+    assert len({instance for instance, _ in got.values()}) == 3
+    await client.aclose()
+
+
+def test_simulate_and_simulate_capacity_print_the_documented_json(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    done = run_blockq("simulate", "--trace", "synthetic", "--instances", "2", "--policies", "round_robin,llumnix",
+                      "--rates", "4", "--requests", "60", "--seeds", "1,2", "--out", str(out), "--json",
+                      "--no-progress", timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    assert [(r["policy"], r["seed"]) for r in results] == [("round_robin", 1), ("round_robin", 2),
+                                                          ("llumnix", 1), ("llumnix", 2)]
+    assert all(r["completed"] == 60 and r["ttft_mean_ms"] > 0 and r["rate"] == 4 for r in results)
+    assert "events/s" in done.stderr
+    assert "± " in (out / "summary.md").read_text()
+    assert (out / "ttft_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    done = run_blockq("simulate", "capacity", "--trace", "synthetic", "--instances", "1", "--policies",
+                      "round_robin", "--rates", "0.5,8", "--requests", "80", "--seeds", "1,2",
+                      "--capacity-tolerance", "1", "--out", str(tmp_path / "cap"), "--json", "--no-progress",
+                      timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (capacity,) = json.loads(done.stdout)
+    assert capacity.keys() == {"policy", "capacity_rps", "capacity_rps_sd", "per_seed"}
+    assert 0.5 <= capacity["capacity_rps"] < 8 and len(capacity["per_seed"]) == 2
