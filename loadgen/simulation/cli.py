@@ -1,8 +1,9 @@
 """``blockq simulate``: ``blockq bench`` in virtual time.
 
-It takes ``blockq bench``'s flags (``--time-scale``, ``--instances-per-process`` and
-``--lag-bound-ms`` are accepted so that a bench command line runs unchanged; virtual time
-has no use for them) plus ``--seeds`` and the pipeline's delays. With ``--seed S`` (the
+It takes ``blockq bench``'s flags (``--instances-per-process`` and ``--lag-bound-ms`` are
+accepted so that a bench command line runs unchanged; virtual time has no use for them;
+``--time-scale`` mirrors a bench run at that time scale, see
+:mod:`loadgen.simulation.config`) plus ``--seeds`` and the pipeline's delays. With ``--seed S`` (the
 default) a run replays exactly what ``blockq bench --seed S`` replays: the trace's first
 ``--requests`` requests at arrivals seeded with S. With ``--seeds 1,2,3`` each seed draws
 its own random sample of the trace and its own arrivals, and the tables show mean ± sd
@@ -43,15 +44,19 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(out=None, capacity_tolerance=0.25, capacity_iterations=16)
     parser.add_argument("--seeds", type=_seeds, default=None,
                         help="comma-separated seeds; each draws its own sample and arrivals (tables: mean ± sd)")
-    parser.add_argument("--heartbeat-ms", type=float, default=100.0, help="worker heartbeat period (ms)")
+    parser.add_argument("--heartbeat-ms", type=float, default=100.0, help="worker heartbeat period (wall-clock ms)")
     parser.add_argument("--heartbeat-delay-ms", type=float, default=SimulationConfig.heartbeat_delay_ms,
-                        help="from a beat's publication to the dispatcher (ms)")
+                        help="from a beat's publication to the dispatcher (wall-clock ms)")
     parser.add_argument("--decision-delay-ms", type=float, default=None,
-                        help="one placement decision (ms; default: the policy's measured cost)")
+                        help="one placement decision (wall-clock ms; default: the policy's measured cost)")
     parser.add_argument("--ingress-delay-ms", type=float, default=SimulationConfig.ingress_delay_ms,
-                        help="from a client's submit to the dispatcher, predictor included (ms)")
+                        help="from a client's submit to the dispatcher, predictor included (wall-clock ms)")
+    parser.add_argument("--ingress-delay-sigma", type=float, default=SimulationConfig.ingress_delay_sigma,
+                        help="lognormal sigma of the ingress delay (0: the same for every request)")
     parser.add_argument("--queue-delay-ms", type=float, default=SimulationConfig.queue_delay_ms,
-                        help="from the dispatcher's write to the instance's intake (ms)")
+                        help="from the dispatcher's write to the instance's intake (wall-clock ms)")
+    parser.add_argument("--step-lag-ms", type=float, default=SimulationConfig.step_lag_ms,
+                        help="wall-clock ms each step ends late (an emulator on a busy host; 0: a real engine)")
     parser.add_argument("--noise", type=float, default=SimulationConfig.noise_sigma,
                         help="lognormal sigma of step-time noise (0 disables)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -70,12 +75,16 @@ class Plan:
             instances=args.instances, preset=args.preset, policy=policy, objective=args.objective or "e2e",
             seed=seed, heartbeat_ms=args.heartbeat_ms, heartbeat_delay_ms=args.heartbeat_delay_ms,
             decision_delay_ms=args.decision_delay_ms, ingress_delay_ms=args.ingress_delay_ms,
-            queue_delay_ms=args.queue_delay_ms, noise_sigma=args.noise, slo_ttft_ms=args.slo_ttft_ms)
+            ingress_delay_sigma=args.ingress_delay_sigma,
+            queue_delay_ms=args.queue_delay_ms, noise_sigma=args.noise, slo_ttft_ms=args.slo_ttft_ms,
+            step_lag_ms=args.step_lag_ms, time_scale=args.time_scale)
 
-    def run(self, policy: str, rate: float, seed: int, on_progress: Callable[[int, int], None] | None) -> SimulatedRun:
+    def run(self, policy: str, rate: float, seed: int, progress: Progress) -> SimulatedRun:
+        started = time.perf_counter()
         run = simulate_run(self.config(policy, seed), self.samples[seed], rate_per_s=rate,
                            burstiness=self.args.burstiness, use_trace_times=self.args.trace_times,
-                           on_progress=on_progress)
+                           on_progress=progress.callback(f"{policy}@{rate:.4g} seed {seed}"))
+        progress.add_run(run.summary["events"], time.perf_counter() - started)
         run.summary.update(predictor=self.args.predictor, trace=self.args.trace)
         return run
 
@@ -97,7 +106,14 @@ class Progress:
         self.bar = tqdm(total=total_requests, unit="req", disable=not enabled, file=sys.stderr,
                         mininterval=0.5, dynamic_ncols=True)
         self.num_events = 0
+        self.num_runs = 0
+        self.simulating_s = 0.0  # wall time inside the simulations (not loading, predicting, reports)
         self._done_in_run = 0
+
+    def add_run(self, num_events: int, wall_s: float) -> None:
+        self.num_events += num_events
+        self.num_runs += 1
+        self.simulating_s += wall_s
 
     def callback(self, label: str) -> Callable[[int, int], None]:
         self.bar.set_description(label)
@@ -126,9 +142,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     for rate in args.rates:
         for policy in args.policies:
             for seed in seeds:
-                run = plan.run(policy, rate, seed, progress.callback(f"{policy}@{rate:g} seed {seed}"))
+                run = plan.run(policy, rate, seed, progress)
                 results.append(run.summary)
-                progress.num_events += run.summary["events"]
                 if seed == seeds[0]:  # the plots show the first seed's runs
                     per_request[run_key(policy, rate)] = run.records
                     kv_samples[run_key(policy, rate)] = run.kv_samples
@@ -136,7 +151,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     out_dir = args.out or _default_out("simulate")
     files = write_report(out_dir, results, per_request=per_request, kv_samples=kv_samples)
     (out_dir / "summary.md").write_text(mean_sd_table(results))
-    _report_speed(started, progress.num_events, len(results))
+    _report_speed(started, progress)
     if args.json:
         sys.stdout.write(json.dumps(with_improvement_ratios(results), indent=2, default=str) + "\n")
     else:
@@ -158,9 +173,7 @@ def _run_capacity(args: argparse.Namespace, plan: Plan, started: float) -> int:
         for seed in plan.samples:
             def run_at(rate: float, policy: str = policy, seed: int = seed) -> dict[str, Any]:
                 progress.bar.total = (progress.bar.total or 0) + args.requests
-                summary = plan.run(policy, rate, seed, progress.callback(f"{policy}@{rate:.2f} seed {seed}")).summary
-                progress.num_events += summary["events"]
-                return summary
+                return plan.run(policy, rate, seed, progress).summary
 
             capacity, runs = capacity_search(run_at, low=low, high=high, slo_ttft_p99_ms=args.slo_ttft_ms,
                                              tolerance=args.capacity_tolerance,
@@ -175,7 +188,7 @@ def _run_capacity(args: argparse.Namespace, plan: Plan, started: float) -> int:
     (out_dir / "capacity.json").write_text(json.dumps({"capacities": capacities, "runs": all_runs},
                                                       indent=1, default=str) + "\n")
     (out_dir / "capacity.md").write_text(capacity_table(capacities, args.slo_ttft_ms))
-    _report_speed(started, progress.num_events, len(all_runs))
+    _report_speed(started, progress)
     if args.json:
         sys.stdout.write(json.dumps(capacities, indent=2) + "\n")
     else:
@@ -192,7 +205,9 @@ def _default_out(name: str) -> Path:
     return Path("out") / name
 
 
-def _report_speed(started: float, num_events: int, num_runs: int) -> None:
-    wall_s = time.perf_counter() - started
-    sys.stderr.write(f"simulated {num_runs} run(s): {num_events:,} events in {wall_s:.1f} s wall "
-                     f"({num_events / max(wall_s, 1e-9):,.0f} events/s)\n")
+def _report_speed(started: float, progress: Progress) -> None:
+    total_s = time.perf_counter() - started
+    rate = progress.num_events / max(progress.simulating_s, 1e-9)
+    sys.stderr.write(f"simulated {progress.num_runs} run(s): {progress.num_events:,} events in "
+                     f"{progress.simulating_s:.1f} s of wall time ({rate:,.0f} events/s); "
+                     f"{total_s:.1f} s in all, with loading, predictions and reports\n")

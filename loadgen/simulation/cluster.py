@@ -16,6 +16,7 @@ inputs and seed.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -63,7 +64,7 @@ class ClusterSimulation:
         for index in range(config.instances):
             instance_id = f"gpu{index}"
             options = EmulatedEngineOptions(preset=config.preset, noise_sigma=config.noise_sigma, stream_tokens=False,
-                                            seed=rng.randrange(2**31))
+                                            time_scale=config.time_scale, seed=rng.randrange(2**31))
             self.instances[instance_id] = SimulatedInstance.create(instance_id, options, worker_options, clock)
             # Beats start at a random phase, as independently started workers do.
             self._push(rng.random() * config.heartbeat_ms / 1000, _BEAT, instance_id)
@@ -79,12 +80,15 @@ class ClusterSimulation:
 
     def run(self, arrivals: Sequence[tuple[float, Request]],
             on_progress: Callable[[int, int], None] | None = None) -> ClusterResult:
-        """Simulate until every request is answered (arrival times are model seconds
-        from the first request; the instances start ``warmup_s`` before it)."""
-        warmup_s = self.config.warmup_s
-        ingress_s = self.config.ingress_delay_ms / 1000
+        """Simulate until every request is answered. Arrival times are model seconds from
+        the first request, submitted on the wall clock as a replay submits them (model time
+        × ``time_scale``), after the instances' ``warmup_s``."""
+        warmup_s, time_scale = self.config.warmup_s, self.config.time_scale
+        ingress_s, sigma = self.config.ingress_delay_ms / 1000, self.config.ingress_delay_sigma
+        rng = random.Random(f"ingress-{self.config.seed}")
         for arrival_s, request in arrivals:
-            self._push(warmup_s + arrival_s + ingress_s, _ARRIVE, request)
+            delay_s = ingress_s * math.exp(rng.gauss(0.0, sigma)) if sigma else ingress_s
+            self._push(warmup_s + arrival_s * time_scale + delay_s, _ARRIVE, request)
         self._num_expected = len(arrivals)
         handlers = (self._on_step_end, self._on_intake, self._on_enqueue, self._on_beat,
                     self._on_beat_arrives, self._on_arrive, self._on_dispatch_done)
@@ -181,7 +185,8 @@ class ClusterSimulation:
     def _start_step(self, instance: SimulatedInstance) -> None:
         end_s = instance.start_step()
         if end_s is not None:
-            self._push(end_s, _STEP_END, instance.instance_id)
+            # A late end moves the engine's clock on when the step is finished, as live.
+            self._push(end_s + self.config.step_lag_ms / 1000, _STEP_END, instance.instance_id)
 
     def _on_step_end(self, instance_id: str) -> None:
         instance = self.instances[instance_id]
@@ -202,7 +207,8 @@ class ClusterSimulation:
         instance = self.instances[instance_id]
         beat = instance.heartbeat()
         num_blocks = instance.engine.config.num_gpu_blocks
-        self.result.kv_samples.append(KvSample(self.now_s - self.config.warmup_s, instance_id,
+        at_s = (self.now_s - self.config.warmup_s) / self.config.time_scale  # model time, as a replay samples
+        self.result.kv_samples.append(KvSample(at_s, instance_id,
                                                beat.num_used_blocks / num_blocks))
         self._push(self.now_s + self.config.heartbeat_delay_ms / 1000, _BEAT_ARRIVES, beat)
         self._push(self.now_s + self.config.heartbeat_ms / 1000, _BEAT, instance_id)

@@ -1,8 +1,13 @@
 """What a cluster simulation models, in one validated place.
 
-Times are model seconds or milliseconds (``_s``, ``_ms``). The delays stand for what the
-live pipeline adds between its parts; their defaults are the measured figures named
-beside them, so that the simulated latencies are the pipeline's, not an ideal cluster's.
+The simulation's clock is the cluster's wall clock, as the live services read it: the
+heartbeat period, the delays, the intake's polls and the dispatcher's replica resyncs are
+wall-clock seconds or milliseconds (``_s``, ``_ms``). The emulated engines run
+``time_scale`` wall seconds per model second, as ``blockq bench --time-scale`` runs them,
+and every reported latency is model time: ``time_scale`` 1 (the default) is a cluster at
+real speed; 2 mirrors a bench run at ``--time-scale 2``, where the same wall-clock pipeline
+costs half as much model time. The delays stand for what the live pipeline adds between
+its parts.
 """
 
 from __future__ import annotations
@@ -26,14 +31,18 @@ class SimulationConfig:
     """One simulated cluster run.
 
     ``ingress_delay_ms``: from a client's submit until the dispatcher can read the
-    annotated request (the predictor stage and two stream hops). ``heartbeat_ms`` /
+    annotated request (the predictor stage and two stream hops): the median of a lognormal
+    with ``ingress_delay_sigma`` (0: the same for every request). ``heartbeat_ms`` /
     ``heartbeat_delay_ms``: a worker's beat period, and how long a beat takes to reach the
     dispatcher. ``decision_delay_ms``: the cost of one placement (None: the policy's
     measured cost, :data:`DECISION_COST_MS`); a batch's queue writes land after all of its
     decisions. ``queue_delay_ms``: from the dispatcher's write until the instance's intake
     can read it. ``noise_sigma``: lognormal step-time noise of the emulated engines (as
-    ``blockq worker --noise``). ``warmup_s``: instances beat this long before the first
-    request, so that the dispatcher knows them all.
+    ``blockq worker --noise``). ``step_lag_ms``: how late each step's end is reported (as
+    an emulated engine's event loop wakes late on a busy host; 0 for a real engine, and the
+    default). ``warmup_s``: instances beat this long before the first
+    request, so that the dispatcher knows them all. ``time_scale``: wall seconds per model
+    second of the engines (see the module docstring).
     """
 
     instances: int = 12
@@ -44,14 +53,17 @@ class SimulationConfig:
     heartbeat_ms: float = 100.0
     heartbeat_delay_ms: float = 1.0
     decision_delay_ms: float | None = None
-    ingress_delay_ms: float = 5.0
+    ingress_delay_ms: float = 2.0
+    ingress_delay_sigma: float = 0.0
     queue_delay_ms: float = 1.0
     dispatch_batch_size: int = 128
     bundle_size: int = 16
     idle_poll_ms: float = 50.0
     noise_sigma: float = 0.05
+    step_lag_ms: float = 0.0
     warmup_s: float = 1.0
     slo_ttft_ms: float = 3000.0
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         policy_spec(self.policy)  # ValueError naming the valid policies
@@ -61,13 +73,17 @@ class SimulationConfig:
             raise ValueError(f"instances: must be >= 1 (got {self.instances})")
         if self.heartbeat_ms <= 0:
             raise ValueError(f"heartbeat_ms: must be > 0 (got {self.heartbeat_ms})")
-        for name in ("heartbeat_delay_ms", "ingress_delay_ms", "queue_delay_ms", "warmup_s"):
+        for name in ("heartbeat_delay_ms", "ingress_delay_ms", "queue_delay_ms", "step_lag_ms", "warmup_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
         if self.decision_delay_ms is not None and self.decision_delay_ms < 0:
             raise ValueError(f"decision_delay_ms: must be >= 0 (got {self.decision_delay_ms})")
         if self.dispatch_batch_size < 1 or self.bundle_size < 1:
             raise ValueError("dispatch_batch_size, bundle_size: must be >= 1")
+        if not 0 < self.time_scale <= 1000:
+            raise ValueError(f"time_scale: must be in (0, 1000] (got {self.time_scale})")
+        if not 0 <= self.ingress_delay_sigma <= 5:
+            raise ValueError(f"ingress_delay_sigma: must be in [0, 5] (got {self.ingress_delay_sigma})")
         if not 0 <= self.noise_sigma <= 1:
             raise ValueError(f"noise_sigma: must be in [0, 1] (got {self.noise_sigma})")
 

@@ -32,7 +32,7 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
     schedule = arrivals_for(sample, rate_per_s=rate_per_s, burstiness=burstiness, use_trace_times=use_trace_times)
     simulation = ClusterSimulation(config)
     origin_s = config.warmup_s  # the first request is submitted after the warm-up
-    arrivals = [(offset_s, submitted(request, origin_s + offset_s))
+    arrivals = [(offset_s, submitted(request, origin_s + offset_s * config.time_scale))
                 for offset_s, index in schedule
                 if (request := sample.requests[index]) is not None]
     result = simulation.run(arrivals, on_progress)
@@ -48,10 +48,10 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
             records.append(record_of(request.id, trace_request, offset_s, result.finals[request.id]))
         else:
             records.append(failed_record(trace_request, offset_s, "not answered"))
-    duration_s = max(0.0, result.end_s - origin_s)
+    duration_s = max(0.0, result.end_s - origin_s) / config.time_scale
     summary = summarize(records, duration_s=duration_s, kv_samples=result.kv_samples,
                         slo_ttft_ms=config.slo_ttft_ms)
     summary.update(policy=config.policy, rate=rate_per_s, instances=config.instances, preset=config.preset,
-                   seed=sample.seed, mode="simulated", events=result.counters["events"],
+                   seed=sample.seed, time_scale=config.time_scale, mode="simulated", events=result.counters["events"],
                    steps=result.counters["steps"], beats_rejected=result.counters["beats_rejected"])
     return SimulatedRun(summary, records, result.kv_samples)
