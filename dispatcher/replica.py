@@ -90,6 +90,9 @@ class InstanceReplica:
         self.lengths = check_length_mode(lengths)  # which output lengths this replica simulates with
         self.scheduler = PackedScheduler(config, latency_model)
         self.beliefs: dict[str, LengthBelief] = {}
+        # Sizes of requests placed here, under this replica's mode: a rebuild re-adds every
+        # placed request its beat does not show yet, and the size of one never changes.
+        self._sizes: dict[str, tuple[int, int]] = {}
         self._samples: deque[StepSample] = deque(maxlen=MAX_REFIT_SAMPLES)
         self._num_beats = 0
         self._beat: Heartbeat | None = None
@@ -116,8 +119,7 @@ class InstanceReplica:
         restored.restore(self._engine_requests(beat.running), self._engine_requests(beat.waiting))
         scheduler = PackedScheduler.from_scheduler(restored, spare_rows=SPARE_ROWS)
         scheduler.simulate(until_s=self.model_time_s(now_wall_s))
-        for request in assigned_not_seen:
-            scheduler.add_request(request.id, *self.request_size(request))
+        scheduler.add_requests([(request.id, *self.request_size(request)) for request in assigned_not_seen])
         self.scheduler = scheduler
         self._forget_finished(beat.finished_ids)
         self.version += 1
@@ -130,7 +132,9 @@ class InstanceReplica:
         """Keep the length belief of a request placed here (beats carry less than requests)."""
         self.beliefs[request.id] = belief_of(request)
         if len(self.beliefs) > MAX_BELIEFS:
-            self.beliefs.pop(next(iter(self.beliefs)))
+            oldest = next(iter(self.beliefs))
+            self.beliefs.pop(oldest)
+            self._sizes.pop(oldest, None)
 
     def add_assignment(self, request: Request) -> None:
         """Record a request just placed here, so the next decision sees it.
@@ -163,9 +167,14 @@ class InstanceReplica:
         """(prompt tokens, output tokens to simulate) for a new request on this instance,
         under this replica's length mode, or under ``lengths`` when a caller asks for
         another one for this request alone (e.g. its upper quantile)."""
+        if lengths is None and (size := self._sizes.get(request.id)) is not None:
+            return size
         belief = self.beliefs.get(request.id) or belief_of(request)
         prompt_tokens = min(prompt_tokens_of(request), self.config.max_model_len - 1)
-        return prompt_tokens, belief.remaining_target(0, lengths or self.lengths)
+        size = (prompt_tokens, belief.remaining_target(0, lengths or self.lengths))
+        if lengths is None and request.id in self.beliefs:
+            self._sizes[request.id] = size
+        return size
 
     def baseline(self) -> Baseline:
         """The replica's future without a new request, simulated once per version (a
@@ -209,3 +218,4 @@ class InstanceReplica:
     def _forget_finished(self, finished_ids: Iterable[str]) -> None:
         for request_id in finished_ids:
             self.beliefs.pop(request_id, None)
+            self._sizes.pop(request_id, None)

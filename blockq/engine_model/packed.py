@@ -11,6 +11,7 @@ finished request's times stay readable. Prefix caching is not modelled.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -60,13 +61,21 @@ class PackedScheduler:
         requests = [*scheduler.running, *scheduler.waiting]
         packed = cls(scheduler.config, scheduler.latency_model, scheduler.now_s,
                      capacity=len(requests) + spare_rows)
-        for row, request in enumerate(requests):
-            packed._write_row(row, request)
+        num_rows = len(requests)
+        if num_rows:
+            # One array write per table: a replica is rebuilt from every few beats.
+            packed.requests[:num_rows] = [
+                (r.prompt_tokens, r.output_target_tokens, r.num_computed_tokens, r.num_generated_tokens,
+                 r.num_blocks, r.num_preemptions) for r in requests]
+            packed.times[:num_rows] = [
+                (r.arrival_s, _nan_if_none(r.first_scheduled_at_s), _nan_if_none(r.first_token_at_s),
+                 _nan_if_none(r.finished_at_s)) for r in requests]
+            packed.request_ids.extend(r.request_id for r in requests)
         num_running = len(scheduler.running)
         packed.running[:num_running] = np.arange(num_running)
-        packed.waiting[:len(scheduler.waiting)] = np.arange(num_running, len(requests))
+        packed.waiting[:len(scheduler.waiting)] = np.arange(num_running, num_rows)
         counters = packed.counters
-        counters[layout.NUM_ROWS] = len(requests)
+        counters[layout.NUM_ROWS] = num_rows
         counters[layout.NUM_RUNNING] = num_running
         counters[layout.NUM_WAITING] = len(scheduler.waiting)
         counters[layout.NUM_FREE_BLOCKS] = scheduler.num_free_blocks
@@ -161,6 +170,33 @@ class PackedScheduler:
         self.request_ids.append(request_id)
         return row
 
+    def add_requests(self, new: Sequence[tuple[str, int, int]]) -> None:
+        """:meth:`add_request` for each (request id, prompt tokens, output tokens), arriving
+        now, in order, with one array write per table (same checks, same clipping)."""
+        if not new:
+            return
+        max_model_len = self.config.max_model_len
+        for request_id, prompt_tokens, output_tokens in new:
+            if not 1 <= prompt_tokens < max_model_len:
+                raise ValueError(f"prompt_tokens: must be in [1, {max_model_len}) (got {prompt_tokens}, {request_id})")
+            if output_tokens < 1:
+                raise ValueError(f"output_target_tokens: must be >= 1 (got {output_tokens}, {request_id})")
+        first, count = self.num_rows, len(new)
+        while first + count > len(self.requests):
+            self._grow()
+        rows = np.arange(first, first + count)
+        self.requests[rows] = 0
+        self.requests[rows, layout.PROMPT] = [prompt for _, prompt, _ in new]
+        self.requests[rows, layout.TARGET] = [min(output, max_model_len - prompt) for _, prompt, output in new]
+        self.times[rows] = math.nan
+        self.times[rows, layout.ARRIVAL] = self.now_s
+        counters = self.counters
+        tail = counters[layout.WAITING_HEAD] + counters[layout.NUM_WAITING]
+        self.waiting[(tail + np.arange(count)) % len(self.waiting)] = rows
+        counters[layout.NUM_WAITING] += count
+        counters[layout.NUM_ROWS] += count
+        self.request_ids.extend(request_id for request_id, _, _ in new)
+
     def simulate(self, *, until_s: float | None = None, stop_row: int = -1,
                  max_steps: int = MAX_STEPS) -> int:
         """Run steps as :meth:`EngineScheduler.step` runs them; returns the steps run.
@@ -202,13 +238,6 @@ class PackedScheduler:
             prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s)
 
     # --- helpers --------------------------------------------------------------------------
-
-    def _write_row(self, row: int, request: EngineRequest) -> None:
-        self.requests[row] = (request.prompt_tokens, request.output_target_tokens, request.num_computed_tokens,
-                              request.num_generated_tokens, request.num_blocks, request.num_preemptions)
-        self.times[row] = [_nan_if_none(t) for t in (request.arrival_s, request.first_scheduled_at_s,
-                                                     request.first_token_at_s, request.finished_at_s)]
-        self.request_ids.append(request.request_id)
 
     def _grow(self) -> None:
         """Double the row capacity; the waiting ring is laid out again from slot 0."""
