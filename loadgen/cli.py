@@ -82,12 +82,17 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_capacity_command(args, config)
     results, per_request, kv_samples = run_bench(config, on_progress=_progress_printer())
     files = write_report(config.out_dir, results, per_request=per_request, kv_samples=kv_samples)
-    if args.json:
+    print_results(results, list(files.values()), as_json=args.json, table=markdown_table(results))
+    return 0
+
+
+def print_results(results: list[dict[str, Any]], files: list[Path], *, as_json: bool, table: str) -> None:
+    """The runs as a JSON list (with improvement ratios), or the table and the report's files."""
+    if as_json:
         sys.stdout.write(json.dumps(with_improvement_ratios(results), indent=2, default=str) + "\n")
     else:
-        sys.stdout.write(markdown_table(results) + "\n")
-        sys.stdout.write(f"\nreport: {', '.join(str(p) for p in files.values())}\n")
-    return 0
+        sys.stdout.write(table + "\n")
+        sys.stdout.write(f"\nreport: {', '.join(str(p) for p in files)}\n")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:

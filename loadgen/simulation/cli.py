@@ -24,10 +24,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from loadgen.cli import add_bench_arguments
+from loadgen.cli import add_bench_arguments, print_results
 from loadgen.metrics import KvSample, RequestRecord
 from loadgen.plots import run_key
-from loadgen.report import capacity_search, with_improvement_ratios, write_report
+from loadgen.report import capacity_search, write_report
 from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.report import capacity_table, mean_sd, mean_sd_table
 from loadgen.simulation.runner import SimulatedRun, simulate_run
@@ -152,11 +152,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     files = write_report(out_dir, results, per_request=per_request, kv_samples=kv_samples)
     (out_dir / "summary.md").write_text(mean_sd_table(results))
     _report_speed(started, progress)
-    if args.json:
-        sys.stdout.write(json.dumps(with_improvement_ratios(results), indent=2, default=str) + "\n")
-    else:
-        sys.stdout.write(mean_sd_table(results) + "\n")
-        sys.stdout.write(f"\nreport: {', '.join(str(p) for p in files.values())}, {out_dir / 'summary.md'}\n")
+    print_results(results, [*files.values(), out_dir / "summary.md"], as_json=args.json, table=mean_sd_table(results))
     return 0
 
 
