@@ -19,6 +19,7 @@ from blockq.engine_model.packed_layout import (
     BLOCK_SIZE,
     FINISHED,
     FIRST_TOKEN,
+    MAX_NUM_SEQS,
     NUM_PREEMPTIONS,
     NUM_REQUEST_FIELDS,
     NUM_ROWS,
@@ -103,6 +104,12 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
         # A decode span never admits anyone (its first step could not), so it keeps the queue.
         if decode_span(requests, times, running, waiting, counters, clock, config, latency,
                        linear_table_s, np.inf, 1 << 62, -1, blocks_by_phase, remaining):
+            continue
+        if counters[NUM_WAITING] > config[MAX_NUM_SEQS] - counters[NUM_RUNNING]:
+            # A step admits at most the free sequence slots (and none once it preempted),
+            # so this one cannot empty the queue: no need to keep the state before it.
+            step(requests, times, running, waiting, counters, clock, config, latency, linear_table_s,
+                 scheduled, new_tokens, preempted, decodes, prefills)
             continue
         saved_requests[:] = requests
         saved_times[:] = times
