@@ -1,7 +1,7 @@
 """``blockq bench-engine``: what the emulated engine costs.
 
 1. the engine model's step cost (µs) for a batch of 48 running + 20 waiting requests,
-   and simulated steps/s (from :mod:`blockq.engine_model.bench`);
+   and reference steps/s when stepping to the end (from :mod:`blockq.engine_model.bench`);
 2. how many emulated instances one worker process pinned to one core sustains in real
    time, each fed Poisson arrivals (default 2.7 requests/s: the Block paper's 32 QPS over
    12 instances) of ShareGPT-like lengths, with emulator lag p99 under a bound (5 ms).
