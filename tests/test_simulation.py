@@ -154,3 +154,21 @@ def test_simulate_and_simulate_capacity_print_the_documented_json(tmp_path: Path
     (capacity,) = json.loads(done.stdout)
     assert capacity.keys() == {"policy", "capacity_rps", "capacity_rps_sd", "per_seed"}
     assert 0.5 <= capacity["capacity_rps"] < 8 and len(capacity["per_seed"]) == 2
+
+
+def test_step_lag_and_ingress_delay_are_what_the_run_measures() -> None:
+    """A step that ends late slows every token by the lag; the ingress delay shows up in
+    the queue wait, as a spread when it has one."""
+    sample = _sample(60, seed=3)
+    base = SimulationConfig(instances=2, policy="least_requests", noise_sigma=0.0, seed=3)
+    plain = simulate_run(base, sample, rate_per_s=2.0)
+    lagged = simulate_run(SimulationConfig(instances=2, policy="least_requests", noise_sigma=0.0, seed=3,
+                                           step_lag_ms=4.0), sample, rate_per_s=2.0)
+    tpot_gain_ms = lagged.summary["tpot_mean_ms"] - plain.summary["tpot_mean_ms"]
+    assert 3.5 < tpot_gain_ms < 4.5
+    spread = simulate_run(SimulationConfig(instances=2, policy="least_requests", seed=3, ingress_delay_ms=20.0,
+                                           ingress_delay_sigma=0.5), sample, rate_per_s=2.0)
+    waits = sorted(r.queue_wait_ms for r in spread.records)
+    fixed_waits = sorted(r.queue_wait_ms for r in plain.records)
+    assert fixed_waits[-1] - fixed_waits[0] < 1.0   # constant ingress: every wait alike at this load
+    assert 15 < waits[len(waits) // 2] < 30 and waits[-1] > 2 * waits[0]
