@@ -37,8 +37,8 @@ _STEP_END, _INTAKE, _ENQUEUE, _BEAT, _BEAT_ARRIVES, _ARRIVE, _DISPATCH_DONE = ra
 
 @dataclass
 class ClusterResult:
-    """Final records by request id (``None`` for a request the dispatcher rejected, with
-    its reason in ``rejected``), KV samples from the beats, and counts."""
+    """Final records by request id, the reasons of the requests the dispatcher rejected
+    (by id), KV samples from the beats, and counts."""
 
     finals: dict[str, FinalRecord]
     rejected: dict[str, str]
