@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 
 from blockq.health import HealthPolicy
 from blockq.protocol import Assignment, Heartbeat, Request
-from dispatcher.cluster_view import ClusterView, InstanceView
-from dispatcher.lengths import check_length_mode
-from dispatcher.policies import Policy, make_policy, policy_spec
+from dispatcher.cluster_view import InstanceView
+from dispatcher.policies import Policy, make_policy, make_view
 from dispatcher.priority import eligible_candidates
 
 
@@ -70,13 +69,16 @@ class DispatcherCore:
     def __init__(self, policy_name: str, *, seed: int | None = None, objective: str = "e2e",
                  lengths: str | None = None, health_policy: HealthPolicy | None = None,
                  resync_interval_s: float = 0.3, timer: Callable[[], float] | None = None) -> None:
-        spec = policy_spec(policy_name)
-        self.lengths = check_length_mode(lengths or spec.lengths)
-        self.view = ClusterView(health_policy, keep_replicas=spec.simulates, lengths=self.lengths,
-                                resync_interval_s=resync_interval_s)
+        self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy,
+                              resync_interval_s=resync_interval_s)
         self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective)
         self.timer = timer
         self.stats = CoreStats()
+
+    @property
+    def lengths(self) -> str:
+        """The output lengths the replicas simulate with."""
+        return self.view.lengths
 
     @property
     def simulates(self) -> bool:

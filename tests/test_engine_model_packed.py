@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
+from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.packed import PackedScheduler
 from tests.factories import (
     StopRule,
@@ -111,6 +113,32 @@ def test_rows_added_past_capacity_keep_queue_order() -> None:
     step_reference(scheduler)
     assert all(packed.finished_at_s(row) is not None for row in range(packed.num_rows))
     assert_packed_matches(packed, scheduler, requests)
+
+
+def test_adding_rows_in_one_call_equals_adding_them_one_by_one() -> None:
+    """``add_requests`` (a rebuild re-adds placed requests with it) writes what repeated
+    ``add_request`` writes, behind a moved queue head and across capacity doublings."""
+    preset = get_preset("llama2-7b-a30")
+    scheduler = EngineScheduler(preset.config, preset.latency_model)
+    for index in range(6):
+        scheduler.add_request(EngineRequest(f"r{index}", 600, 5))
+    scheduler.step()
+    one_by_one = PackedScheduler.from_scheduler(scheduler, spare_rows=2)
+    one_by_one.simulate(until_s=one_by_one.now_s + 1e-9)  # one more admitted: the head moves
+    assert one_by_one.counters[layout.WAITING_HEAD] > 0
+    in_one_call = one_by_one.clone()
+    new = [(f"n{index}", 20 + index, 4080) for index in range(30)]
+    for request_id, prompt_tokens, output_tokens in new:
+        one_by_one.add_request(request_id, prompt_tokens, output_tokens)
+    in_one_call.add_requests(new)
+    assert in_one_call.waiting_rows() == one_by_one.waiting_rows()
+    assert in_one_call.request_ids == one_by_one.request_ids
+    rows = one_by_one.num_rows
+    assert np.array_equal(in_one_call.requests[:rows], one_by_one.requests[:rows])
+    assert np.array_equal(in_one_call.times[:rows], one_by_one.times[:rows], equal_nan=True)
+    assert in_one_call.requests[rows - 1, layout.TARGET] == preset.config.max_model_len - 49  # clipped alike
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        in_one_call.add_requests([("bad", 0, 5)])
 
 
 def test_bad_requests_and_unsupported_models_are_refused_by_name() -> None:

@@ -150,11 +150,8 @@ class PackedScheduler:
             ValueError: naming the field, for ``prompt_tokens`` outside [1, max_model_len)
                 or ``output_target_tokens`` < 1.
         """
+        self._check_size(prompt_tokens, output_target_tokens)
         max_model_len = self.config.max_model_len
-        if not 1 <= prompt_tokens < max_model_len:
-            raise ValueError(f"prompt_tokens: must be in [1, {max_model_len}) (got {prompt_tokens})")
-        if output_target_tokens < 1:
-            raise ValueError(f"output_target_tokens: must be >= 1 (got {output_target_tokens})")
         row = self.num_rows
         if row == len(self.requests):
             self._grow()
@@ -175,12 +172,9 @@ class PackedScheduler:
         now, in order, with one array write per table (same checks, same clipping)."""
         if not new:
             return
+        for _, prompt_tokens, output_tokens in new:
+            self._check_size(prompt_tokens, output_tokens)
         max_model_len = self.config.max_model_len
-        for request_id, prompt_tokens, output_tokens in new:
-            if not 1 <= prompt_tokens < max_model_len:
-                raise ValueError(f"prompt_tokens: must be in [1, {max_model_len}) (got {prompt_tokens}, {request_id})")
-            if output_tokens < 1:
-                raise ValueError(f"output_target_tokens: must be >= 1 (got {output_tokens}, {request_id})")
         first, count = self.num_rows, len(new)
         while first + count > len(self.requests):
             self._grow()
@@ -238,6 +232,13 @@ class PackedScheduler:
             prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s)
 
     # --- helpers --------------------------------------------------------------------------
+
+    def _check_size(self, prompt_tokens: int, output_target_tokens: int) -> None:
+        max_model_len = self.config.max_model_len
+        if not 1 <= prompt_tokens < max_model_len:
+            raise ValueError(f"prompt_tokens: must be in [1, {max_model_len}) (got {prompt_tokens})")
+        if output_target_tokens < 1:
+            raise ValueError(f"output_target_tokens: must be >= 1 (got {output_target_tokens})")
 
     def _grow(self) -> None:
         """Double the row capacity; the waiting ring is laid out again from slot 0."""

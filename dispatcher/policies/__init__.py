@@ -53,10 +53,11 @@ def policy_spec(name: str) -> PolicySpec:
         raise ValueError(f"policy: unknown {name!r} (valid: {', '.join(sorted(POLICIES))})") from None
 
 
-def make_view(name: str, **options: object) -> ClusterView:
-    """A cluster view keeping what policy ``name`` needs (options: :class:`ClusterView`'s)."""
+def make_view(name: str, *, lengths: str | None = None, **options: object) -> ClusterView:
+    """A cluster view keeping what policy ``name`` needs, its replicas simulating with
+    ``lengths`` (default: the policy's); other options are :class:`ClusterView`'s."""
     spec = policy_spec(name)
-    return ClusterView(keep_replicas=spec.simulates, lengths=spec.lengths, **options)  # type: ignore[arg-type]
+    return ClusterView(keep_replicas=spec.simulates, lengths=lengths or spec.lengths, **options)  # type: ignore[arg-type]
 
 
 def make_policy(name: str, view: ClusterView | None = None, *, seed: int | None = None,
