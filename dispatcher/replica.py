@@ -1,7 +1,7 @@
 """The dispatcher's replica of one instance's scheduler, kept current between beats.
 
 A heartbeat is a snapshot from the past. On each new beat the replica is rebuilt from it
-(:meth:`EngineScheduler.restore`), with output targets from what is known about each
+(:meth:`PackedScheduler.restored`), with output targets from what is known about each
 request (:mod:`dispatcher.lengths`: tokens generated so far and the conditional length
 distribution), advanced by the model time elapsed since the beat, and given back the
 requests this dispatcher assigned that the beat does not show yet. Between beats, the
@@ -24,14 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blockq.engine_model import (
-    EngineConfig,
-    EngineRequest,
-    EngineScheduler,
-    StepLatencyModel,
-    StepSample,
-)
-from blockq.engine_model.packed import PackedScheduler
+from blockq.engine_model import EngineConfig, StepLatencyModel, StepSample
+from blockq.engine_model.packed import PackedScheduler, RestoredRow
 from blockq.engine_model.packed_layout import FINISHED
 from blockq.protocol import Heartbeat, Request, RequestProgress
 from dispatcher.lengths import LengthBelief, belief_from_prediction, check_length_mode
@@ -90,9 +84,10 @@ class InstanceReplica:
         self.lengths = check_length_mode(lengths)  # which output lengths this replica simulates with
         self.scheduler = PackedScheduler(config, latency_model)
         self.beliefs: dict[str, LengthBelief] = {}
-        # Sizes of requests placed here, under this replica's mode: a rebuild re-adds every
-        # placed request its beat does not show yet, and the size of one never changes.
-        self._sizes: dict[str, tuple[int, int]] = {}
+        # Requests placed here as new packed rows (id, prompt, output tokens under this
+        # replica's mode): a rebuild re-adds every placed request its beat does not show
+        # yet, and the size of one never changes.
+        self._new_rows: dict[str, tuple[str, int, int]] = {}
         self._samples: deque[StepSample] = deque(maxlen=MAX_REFIT_SAMPLES)
         self._num_beats = 0
         self._beat: Heartbeat | None = None
@@ -115,11 +110,13 @@ class InstanceReplica:
         """Rebuild from ``beat``, advance to now, add the assignments the beat lacks."""
         self._observe_samples(beat)
         self._beat = beat
-        restored = EngineScheduler(self.config, self.latency_model, now_s=beat.engine_time_s)
-        restored.restore(self._engine_requests(beat.running), self._engine_requests(beat.waiting))
-        scheduler = PackedScheduler.from_scheduler(restored, spare_rows=SPARE_ROWS)
+        scheduler = PackedScheduler.restored(
+            self.config, self.latency_model, beat.engine_time_s, self._restored_rows(beat.running),
+            self._restored_rows(beat.waiting), spare_rows=SPARE_ROWS)
         scheduler.simulate(until_s=self.model_time_s(now_wall_s))
-        scheduler.add_requests([(request.id, *self.request_size(request)) for request in assigned_not_seen])
+        rows = self._new_rows
+        scheduler.add_requests([rows.get(request.id) or (request.id, *self.request_size(request))
+                                for request in assigned_not_seen])
         self.scheduler = scheduler
         self._forget_finished(beat.finished_ids)
         self.version += 1
@@ -134,7 +131,7 @@ class InstanceReplica:
         if len(self.beliefs) > MAX_BELIEFS:
             oldest = next(iter(self.beliefs))
             self.beliefs.pop(oldest)
-            self._sizes.pop(oldest, None)
+            self._new_rows.pop(oldest, None)
 
     def add_assignment(self, request: Request) -> None:
         """Record a request just placed here, so the next decision sees it.
@@ -167,14 +164,14 @@ class InstanceReplica:
         """(prompt tokens, output tokens to simulate) for a new request on this instance,
         under this replica's length mode, or under ``lengths`` when a caller asks for
         another one for this request alone (e.g. its upper quantile)."""
-        if lengths is None and (size := self._sizes.get(request.id)) is not None:
-            return size
+        if lengths is None and (row := self._new_rows.get(request.id)) is not None:
+            return row[1], row[2]
         belief = self.beliefs.get(request.id) or belief_of(request)
         prompt_tokens = min(prompt_tokens_of(request), self.config.max_model_len - 1)
-        size = (prompt_tokens, belief.remaining_target(0, lengths or self.lengths))
+        output_tokens = belief.remaining_target(0, lengths or self.lengths)
         if lengths is None and request.id in self.beliefs:
-            self._sizes[request.id] = size
-        return size
+            self._new_rows[request.id] = (request.id, prompt_tokens, output_tokens)
+        return prompt_tokens, output_tokens
 
     def baseline(self) -> Baseline:
         """The replica's future without a new request, simulated once per version (a
@@ -191,20 +188,20 @@ class InstanceReplica:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _engine_requests(self, progress: Iterable[RequestProgress]) -> list[EngineRequest]:
-        requests = []
+    def _restored_rows(self, progress: Iterable[RequestProgress]) -> list[RestoredRow]:
+        """The beat's requests as the packed scheduler restores them, with output targets
+        from this replica's beliefs."""
+        rows = []
+        max_model_len, beliefs, lengths = self.config.max_model_len, self.beliefs, self.lengths
         for item in progress:
-            belief = self.beliefs.get(item.request_id) or belief_from_prediction(
+            belief = beliefs.get(item.request_id) or belief_from_prediction(
                 item.predicted_output_tokens, None, item.p90_tokens)
-            prompt_tokens = min(item.prompt_tokens, self.config.max_model_len - 1)
-            target = belief.remaining_target(item.num_generated_tokens, self.lengths)
-            target = min(target, self.config.max_model_len - prompt_tokens)
+            prompt_tokens = min(item.prompt_tokens, max_model_len - 1)
+            target = min(belief.remaining_target(item.num_generated_tokens, lengths), max_model_len - prompt_tokens)
             if item.num_generated_tokens >= target:
                 continue  # at its length limit: finishes on its next token, nothing to model
-            requests.append(EngineRequest(
-                request_id=item.request_id, prompt_tokens=prompt_tokens, output_target_tokens=target,
-                num_computed_tokens=item.num_computed_tokens, num_generated_tokens=item.num_generated_tokens))
-        return requests
+            rows.append((item.request_id, prompt_tokens, target, item.num_computed_tokens, item.num_generated_tokens))
+        return rows
 
     def _observe_samples(self, beat: Heartbeat) -> None:
         for sample in beat.step_samples:
@@ -218,4 +215,4 @@ class InstanceReplica:
     def _forget_finished(self, finished_ids: Iterable[str]) -> None:
         for request_id in finished_ids:
             self.beliefs.pop(request_id, None)
-            self._sizes.pop(request_id, None)
+            self._new_rows.pop(request_id, None)

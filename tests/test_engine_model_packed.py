@@ -12,16 +12,20 @@ import random
 import numpy as np
 import pytest
 
-from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
+from blockq.engine_model import EngineConfig, EngineRequest, EngineScheduler, get_preset
 from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.packed import PackedScheduler
 from tests.factories import (
+    A30,
     StopRule,
     all_requests,
     build_preset_state,
     build_random_state,
     num_preemptions,
+    random_progress,
+    random_request,
     random_rule,
+    random_small_config,
     step_reference,
 )
 
@@ -139,6 +143,52 @@ def test_adding_rows_in_one_call_equals_adding_them_one_by_one() -> None:
     assert in_one_call.requests[rows - 1, layout.TARGET] == preset.config.max_model_len - 49  # clipped alike
     with pytest.raises(ValueError, match="prompt_tokens"):
         in_one_call.add_requests([("bad", 0, 5)])
+
+
+def restored_rows(requests: list[EngineRequest]) -> list[tuple[str, int, int, int, int]]:
+    return [(r.request_id, r.prompt_tokens, r.output_target_tokens, r.num_computed_tokens,
+             r.num_generated_tokens) for r in requests]
+
+
+def test_restoring_packed_equals_restoring_the_reference_then_packing() -> None:
+    """``PackedScheduler.restored`` (a replica rebuild) builds exactly what the reference's
+    ``restore`` and ``from_scheduler`` build: rows, queues, free blocks, and running rows
+    that no longer fit (sequence slots, blocks) queued ahead of the waiting ones."""
+    rng = random.Random(17)
+    num_overflowing = 0
+    for case in range(400):
+        config = random_small_config(rng) if case % 4 else EngineConfig(num_gpu_blocks=rng.choice([300, 400, 1052]))
+        running = [random_progress(rng, random_request(rng, config, f"run{i}"))
+                   for i in range(rng.randint(0, config.max_num_seqs + 3))]
+        running = [r for r in running if r.prompt_tokens + r.num_generated_tokens < config.max_model_len
+                   and r.num_generated_tokens < min(r.output_target_tokens, config.max_model_len - r.prompt_tokens)]
+        waiting = [random_request(rng, config, f"wait{i}") for i in range(rng.randint(0, 6))]
+        now_s = rng.uniform(0.0, 100.0)
+        packed = PackedScheduler.restored(config, A30.latency_model, now_s, restored_rows(running),
+                                          restored_rows(waiting), spare_rows=3)
+        reference = EngineScheduler(config, A30.latency_model, now_s=now_s)
+        reference.restore([r.copy() for r in running], [r.copy() for r in waiting])
+        num_overflowing += len(reference.running) < len(running)
+        assert_packed_matches(packed, reference, all_requests(reference))
+        assert_packed_matches(PackedScheduler.from_scheduler(reference), reference, all_requests(reference))
+        assert np.array_equal(packed.counters, PackedScheduler.from_scheduler(reference).counters)
+    assert num_overflowing >= 40
+
+
+def test_restoring_packed_refuses_what_the_reference_refuses() -> None:
+    config = A30.config
+    for row, field in [(("", 10, 5, 0, 0), "request_id"), (("a", 0, 5, 0, 0), "prompt_tokens"),
+                       (("a", 4096, 5, 0, 0), "prompt_tokens"), (("a", 10, 0, 0, 0), "output_target_tokens"),
+                       (("a", 10, 5, 0, -1), "num_generated_tokens"), (("a", 10, 5, 9, 5), "num_generated_tokens"),
+                       (("a", 4090, 50, 0, 6), "num_generated_tokens")]:
+        with pytest.raises(ValueError, match=field) as packed_error:
+            PackedScheduler.restored(config, A30.latency_model, 0.0, [row], [])
+        with pytest.raises(ValueError) as reference_error:
+            EngineScheduler(config, A30.latency_model).restore([EngineRequest(row[0], *row[1:3], num_computed_tokens=row[3],
+                                                                               num_generated_tokens=row[4])], [])
+        assert str(packed_error.value) == str(reference_error.value)
+    with pytest.raises(ValueError, match="already in this engine"):
+        PackedScheduler.restored(config, A30.latency_model, 0.0, [("a", 10, 5, 0, 0)], [("a", 10, 5, 0, 0)])
 
 
 def test_bad_requests_and_unsupported_models_are_refused_by_name() -> None:

@@ -24,6 +24,8 @@ from blockq.engine_model.request import EngineRequest
 from blockq.engine_model.scheduler import EngineScheduler
 
 MAX_STEPS = 10_000_000
+# A restored request: (request id, prompt tokens, output target, computed, generated).
+RestoredRow = tuple[str, int, int, int, int]
 
 
 class PackedScheduler:
@@ -63,7 +65,7 @@ class PackedScheduler:
                      capacity=len(requests) + spare_rows)
         num_rows = len(requests)
         if num_rows:
-            # One array write per table: a replica is rebuilt from every few beats.
+            # One array write per table.
             packed.requests[:num_rows] = [
                 (r.prompt_tokens, r.output_target_tokens, r.num_computed_tokens, r.num_generated_tokens,
                  r.num_blocks, r.num_preemptions) for r in requests]
@@ -71,14 +73,51 @@ class PackedScheduler:
                 (r.arrival_s, _nan_if_none(r.first_scheduled_at_s), _nan_if_none(r.first_token_at_s),
                  _nan_if_none(r.finished_at_s)) for r in requests]
             packed.request_ids.extend(r.request_id for r in requests)
-        num_running = len(scheduler.running)
-        packed.running[:num_running] = np.arange(num_running)
-        packed.waiting[:len(scheduler.waiting)] = np.arange(num_running, num_rows)
-        counters = packed.counters
-        counters[layout.NUM_ROWS] = num_rows
-        counters[layout.NUM_RUNNING] = num_running
-        counters[layout.NUM_WAITING] = len(scheduler.waiting)
-        counters[layout.NUM_FREE_BLOCKS] = scheduler.num_free_blocks
+        packed._set_queues(len(scheduler.running), len(scheduler.waiting), scheduler.num_free_blocks)
+        return packed
+
+    @classmethod
+    def restored(cls, config: EngineConfig, latency_model: StepLatencyModel, now_s: float,
+                 running: Sequence[RestoredRow], waiting: Sequence[RestoredRow],
+                 spare_rows: int = 16) -> PackedScheduler:
+        """What :meth:`EngineScheduler.restore` then :meth:`from_scheduler` build, written
+        straight into the arrays (the tests compare both): a dispatcher rebuilds a replica
+        from a beat every few hundred milliseconds, and the objects in between cost more
+        than the rest of the rebuild.
+
+        Each row is (request id, prompt tokens, output target, computed, generated).
+        Running rows keep their computed tokens (clipped to known tokens - 1) and the
+        blocks for them, in order, while they fit; from the first that does not, the rest
+        queue before ``waiting`` with nothing computed.
+
+        Raises:
+            ValueError: as :meth:`EngineScheduler.restore`, naming the field.
+        """
+        max_model_len, block_size = config.max_model_len, config.block_size
+        free_blocks = config.num_gpu_blocks
+        seen: set[str] = set()
+        admitted: list[tuple[str, int, int, int, int, int]] = []   # id, prompt, target, computed, generated, blocks
+        queued: list[tuple[str, int, int, int, int, int]] = []
+        for rows, may_run in ((running, True), (waiting, False)):
+            for request_id, prompt_tokens, target_tokens, computed_tokens, generated_tokens in rows:
+                target_tokens = _checked_target(request_id, prompt_tokens, target_tokens, generated_tokens,
+                                                max_model_len, seen)
+                seen.add(request_id)
+                computed_tokens = max(0, min(computed_tokens, prompt_tokens + generated_tokens - 1))
+                num_blocks = -(-computed_tokens // block_size)
+                if may_run and not queued and len(admitted) < config.max_num_seqs and num_blocks <= free_blocks:
+                    free_blocks -= num_blocks
+                    admitted.append((request_id, prompt_tokens, target_tokens, computed_tokens, generated_tokens,
+                                     num_blocks))
+                else:
+                    queued.append((request_id, prompt_tokens, target_tokens, 0, generated_tokens, 0))
+        rows = admitted + queued
+        packed = cls(config, latency_model, now_s, capacity=len(rows) + spare_rows)
+        if rows:
+            packed.requests[:len(rows)] = [(*row[1:], 0) for row in rows]
+            packed.times[:len(rows), layout.ARRIVAL] = 0.0
+            packed.request_ids.extend(row[0] for row in rows)
+        packed._set_queues(len(admitted), len(queued), free_blocks)
         return packed
 
     def clone(self) -> PackedScheduler:
@@ -172,16 +211,19 @@ class PackedScheduler:
         now, in order, with one array write per table (same checks, same clipping)."""
         if not new:
             return
-        for _, prompt_tokens, output_tokens in new:
-            self._check_size(prompt_tokens, output_tokens)
         max_model_len = self.config.max_model_len
+        prompts = [prompt for _, prompt, _ in new]
+        outputs = [output for _, _, output in new]
+        if min(prompts) < 1 or max(prompts) >= max_model_len or min(outputs) < 1:
+            for _, prompt_tokens, output_tokens in new:
+                self._check_size(prompt_tokens, output_tokens)
         first, count = self.num_rows, len(new)
         while first + count > len(self.requests):
             self._grow()
         rows = np.arange(first, first + count)
         self.requests[rows] = 0
-        self.requests[rows, layout.PROMPT] = [prompt for _, prompt, _ in new]
-        self.requests[rows, layout.TARGET] = [min(output, max_model_len - prompt) for _, prompt, output in new]
+        self.requests[rows, layout.PROMPT] = prompts
+        self.requests[rows, layout.TARGET] = np.minimum(outputs, max_model_len - np.array(prompts))
         self.times[rows] = math.nan
         self.times[rows, layout.ARRIVAL] = self.now_s
         counters = self.counters
@@ -233,6 +275,16 @@ class PackedScheduler:
 
     # --- helpers --------------------------------------------------------------------------
 
+    def _set_queues(self, num_running: int, num_waiting: int, num_free_blocks: int) -> None:
+        """For a state just packed: rows [0, num_running) run, the next num_waiting wait."""
+        self.running[:num_running] = np.arange(num_running)
+        self.waiting[:num_waiting] = np.arange(num_running, num_running + num_waiting)
+        counters = self.counters
+        counters[layout.NUM_ROWS] = num_running + num_waiting
+        counters[layout.NUM_RUNNING] = num_running
+        counters[layout.NUM_WAITING] = num_waiting
+        counters[layout.NUM_FREE_BLOCKS] = num_free_blocks
+
     def _check_size(self, prompt_tokens: int, output_target_tokens: int) -> None:
         max_model_len = self.config.max_model_len
         if not 1 <= prompt_tokens < max_model_len:
@@ -278,6 +330,29 @@ def _latency_arrays(latency_model: StepLatencyModel) -> tuple[np.ndarray, np.nda
                              latency_model.prefill_pair_s, latency_model.step_overhead_s,
                              latency_model.tail_slope_s])
     return coefficients, np.array(latency_model.linear_table_s)
+
+
+def _checked_target(request_id: str, prompt_tokens: int, target_tokens: int, generated_tokens: int,
+                    max_model_len: int, seen: set[str]) -> int:
+    """A restored row's output target clipped to ``max_model_len``, after the checks
+    (and with the messages) of :meth:`EngineScheduler.add_request`."""
+    if not request_id:
+        raise ValueError("request_id: must be a non-empty string")
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens: must be >= 1 (got {prompt_tokens})")
+    if prompt_tokens >= max_model_len:
+        raise ValueError(f"prompt_tokens: must be < max_model_len ({max_model_len}) (got {prompt_tokens})")
+    if target_tokens < 1:
+        raise ValueError(f"output_target_tokens: must be >= 1 (got {target_tokens})")
+    if generated_tokens < 0:
+        raise ValueError("num_generated_tokens: must be >= 0")
+    if request_id in seen:
+        raise ValueError(f"request_id: {request_id!r} is already in this engine")
+    target_tokens = min(target_tokens, max_model_len - prompt_tokens)
+    if generated_tokens >= target_tokens:
+        raise ValueError(f"num_generated_tokens: must be < output_target_tokens "
+                         f"({target_tokens} after clipping to max_model_len)")
+    return target_tokens
 
 
 def _nan_if_none(value: float | None) -> float:

@@ -19,6 +19,8 @@ from blockq.engine_model.packed_layout import (
     BLOCK_SIZE,
     FINISHED,
     FIRST_TOKEN,
+    GENERATED,
+    MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     NUM_PREEMPTIONS,
     NUM_REQUEST_FIELDS,
@@ -77,6 +79,28 @@ def simulate(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiti
 
 
 @njit(cache=True)
+def _could_empty_queue(requests: np.ndarray, waiting: np.ndarray, counters: np.ndarray,
+                       config: np.ndarray) -> bool:
+    """False when the next step cannot admit the whole waiting queue. A step admits at
+    most the free sequence slots (and none once it preempted); and admission goes on only
+    while token budget is left, each row but the last taking all its tokens (a waiting row
+    has none computed), so the queue empties only if those rows fit under the budget. The
+    check stops as soon as the budget is exceeded: a long queue costs a few rows."""
+    num_waiting = counters[NUM_WAITING]
+    if num_waiting > config[MAX_NUM_SEQS] - counters[NUM_RUNNING]:
+        return False
+    capacity = waiting.shape[0]
+    budget = config[MAX_NUM_BATCHED_TOKENS]
+    num_tokens = 0
+    for k in range(num_waiting - 1):
+        row = waiting[(counters[WAITING_HEAD] + k) % capacity]
+        num_tokens += requests[row, PROMPT] + requests[row, GENERATED]
+        if num_tokens >= budget:
+            return False
+    return True
+
+
+@njit(cache=True)
 def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
                            waiting: np.ndarray, counters: np.ndarray, clock: np.ndarray,
                            config: np.ndarray, latency: np.ndarray, linear_table_s: np.ndarray) -> None:
@@ -105,9 +129,8 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
         if decode_span(requests, times, running, waiting, counters, clock, config, latency,
                        linear_table_s, np.inf, 1 << 62, -1, blocks_by_phase, remaining):
             continue
-        if counters[NUM_WAITING] > config[MAX_NUM_SEQS] - counters[NUM_RUNNING]:
-            # A step admits at most the free sequence slots (and none once it preempted),
-            # so this one cannot empty the queue: no need to keep the state before it.
+        if not _could_empty_queue(requests, waiting, counters, config):
+            # No need to keep the state before a step that cannot empty the queue.
             step(requests, times, running, waiting, counters, clock, config, latency, linear_table_s,
                  scheduled, new_tokens, preempted, decodes, prefills)
             continue

@@ -223,7 +223,8 @@ def step(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: 
             running[num_kept] = row
             num_kept += 1
     counters[NUM_RUNNING] = num_kept
-    for k in range(counters[NUM_WAITING]):
-        row = waiting[(counters[WAITING_HEAD] + k) % capacity]
-        preempted[row] = False
-        scheduled[row] = _NOT_SCHEDULED
+    # Rows preempted this step are the only waiting ones marked: they were pushed to the
+    # head, and no admission followed (phase 3 is skipped after a preemption).
+    # _reserve_blocks already cleared their `scheduled` mark.
+    for k in range(counters[NUM_PREEMPTIONS] - num_preempted):
+        preempted[waiting[(counters[WAITING_HEAD] + k) % capacity]] = False
