@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench-engine clean
+.PHONY: setup demo test test-chaos lint bench-engine clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: setup
 test: setup
 	@$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
+
+# The chaos suite: each fault on a real local cluster (about a minute per scenario).
+test-chaos: setup
+	$(BIN)/python -m pytest -q -m chaos -s tests/test_chaos.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from typing import Any
 from blockq.cluster_config import ClusterConfig
 from blockq.config import ConfigError
 from blockq.service import add_common_arguments, settings_from_args
-from blockq.state import ClusterState, pid_alive
+from blockq.state import ClusterState
 
 
 def _print_json(data: Any) -> None:
@@ -44,6 +43,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gateway", action="store_true", default=None, help="also start the HTTP gateway")
     p.add_argument("--gateway-port", type=int, default=None)
     p.add_argument("--batch-worker", action="store_true", default=None, help="also start the batch (rq) worker")
+    p.add_argument("--redis-maxmemory", default=None,
+                   help="memory limit of the embedded Redis, e.g. 1gb (default), 512mb; writes fail when full")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--detach", action="store_true", help="return once the cluster is ready")
     p.add_argument("--ready-timeout-s", type=float, default=120.0)
@@ -57,7 +58,8 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         instances=args.instances, instances_per_process=args.instances_per_process, policy=args.policy,
         objective=args.objective, preset=args.preset, time_scale=args.time_scale,
         predictor_backend=args.predictor_backend, predictor_model=args.predictor_model,
-        gateway=args.gateway, gateway_port=args.gateway_port, batch_worker=args.batch_worker, seed=args.seed)
+        gateway=args.gateway, gateway_port=args.gateway_port, batch_worker=args.batch_worker, seed=args.seed,
+        redis_maxmemory=args.redis_maxmemory)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -66,29 +68,47 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, require_redis=False)
     config = _cluster_config(args)
     state = ClusterState.read(settings.state_dir)
-    if state is not None and pid_alive(state.supervisor_pid):
+    if state is not None and state.supervisor_is_alive():
         raise ConfigError(f"state_dir: a cluster is already running from {settings.state_dir} "
                           f"(supervisor pid {state.supervisor_pid}); run `blockq down` first")
     if args.detach:
-        return _up_detached(args, settings.state_dir, config)
+        return _up_detached(args, settings.state_dir, config, settings.redis_url)
     from blockq.logs import configure_logging
 
     configure_logging(settings.log_level, "supervisor")
     specs = [ChildSpec(name, argv) for name, argv in config.child_argvs()]
     gateway_url = f"http://{config.gateway_host}:{config.gateway_port}" if config.gateway else None
-    return Supervisor(settings.state_dir, specs, redis_url=settings.redis_url,
-                      num_instances=config.instances, gateway_url=gateway_url).run()
+    return Supervisor(settings.state_dir, specs, redis_url=settings.redis_url, num_instances=config.instances,
+                      gateway_url=gateway_url, redis_maxmemory=config.redis_maxmemory).run()
 
 
-def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfig) -> int:
+def _argv_without_secrets(argv: list[str]) -> list[str]:
+    """``argv`` less --detach, --json and --redis URL (a URL may hold a password, and any
+    user can read a process's argv: the URL travels in the environment instead)."""
+    out: list[str] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg == "--redis":
+            skip_next = True
+        elif arg not in ("--detach", "--json") and not arg.startswith("--redis="):
+            out.append(arg)
+    return out
+
+
+def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfig,
+                 redis_url: str | None) -> int:
     """Start the supervisor in the background and wait for every instance to be live."""
     started_s = time.monotonic()
-    argv = [a for a in sys.argv[1:] if a != "--detach" and a != "--json"]
-    state_dir.mkdir(parents=True, exist_ok=True)
+    argv = _argv_without_secrets(sys.argv[1:])
+    env = dict(os.environ, BLOCKQ_REDIS_URL=redis_url) if redis_url else dict(os.environ)
+    os.umask(0o077)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     (state_dir / "logs").mkdir(exist_ok=True)
     with open(state_dir / "logs" / "supervisor.log", "ab") as log_file:
         subprocess.Popen([sys.executable, "-m", "blockq.cli", *argv], stdout=log_file, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
+                         stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     report = wait_until_ready(args, state_dir, config.instances, args.ready_timeout_s)
     report["ready_s"] = round(time.monotonic() - started_s, 3)
     if args.json:
@@ -128,22 +148,19 @@ def _add_down(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    from blockq.supervisor import stop_cluster
+
     settings = settings_from_args(args, require_redis=False)
-    state = ClusterState.read(settings.state_dir)
-    if state is None:
+    if ClusterState.read(settings.state_dir) is None:
         sys.stdout.write(f"no cluster running from {settings.state_dir}\n")
         return 0
-    if pid_alive(state.supervisor_pid):
-        os.kill(state.supervisor_pid, signal.SIGTERM)
-    deadline = time.monotonic() + args.timeout_s
-    pids = [state.supervisor_pid, *state.children.values(), state.redis_pid]
-    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
-        time.sleep(0.05)
-    leftovers = [p for p in pids if pid_alive(p)]
-    for pid in leftovers:
-        os.kill(pid, signal.SIGKILL)
-    ClusterState.remove(settings.state_dir)
-    sys.stdout.write("blockq is down" + (f" (killed {len(leftovers)} stuck processes)" if leftovers else "") + "\n")
+    report = stop_cluster(settings.state_dir, args.timeout_s)
+    notes = []
+    if report.num_killed:
+        notes.append(f"killed {report.num_killed} stuck processes")
+    if report.num_unidentified:
+        notes.append(f"left {report.num_unidentified} recorded pids alone: they are other processes now")
+    sys.stdout.write("blockq is down" + (f" ({'; '.join(notes)})" if notes else "") + "\n")
     return 0
 
 

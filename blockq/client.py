@@ -4,10 +4,10 @@
 building, the admission script and the de-duplicating reply reader, and differ only in
 how they talk to Redis.
 
-Delivery is at-least-once inside the pipeline, so a reply stream may hold a chunk twice
-(a worker that died mid-request and was replaced re-sends from index 0). Readers keep the
-next expected chunk index and drop anything below it: each chunk is yielded exactly once,
-in order.
+Delivery is at-least-once inside the pipeline, so a reply stream may hold a request's
+output twice over (a worker that died mid-request and was replaced). Readers keep the
+number of output tokens received and yield only tokens past it (see :class:`ReplyReader`):
+each token's text is yielded exactly once, in order, and equals the final record's text.
 """
 
 from __future__ import annotations
@@ -25,27 +25,66 @@ from blockq.config import ConfigError, Settings
 from blockq.keys import PAYLOAD_FIELD
 from blockq.protocol import Chunk, FinalRecord, Request, decode_reply_entry, encode
 
-# Adds every payload in ARGV[2..] to the ingress stream unless that would take its
-# length past ARGV[1]; returns the new entry ids, or {-1, current length} when refused.
+# Admits a batch of requests, all or none.
+# KEYS: ingress stream, ready stream, instances hash, then one `submitted:{id}` key per request.
+# ARGV: backlog limit, submitted-key TTL s, instance queue key head and tail (the queue of
+# instance X is head..X..tail), then one payload per request.
+# The backlog is every request accepted and not finished: entries are deleted on ACK, and
+# a stage ACKs only once its next hop is written (the dispatcher keeps the requests it
+# holds pending in `ready`), so the lengths of `req`, `ready` and every instance queue add
+# up to it. A request whose id was accepted before (a client retrying, or redis-py
+# re-sending the script after a lost reply) is not added again: its original entry id is
+# returned, and it does not count against the limit.
+# Returns the entry ids, or {-1, backlog} when the new requests would pass the limit.
 # One script so that concurrent clients cannot all pass the check and then all add.
+# It reads keys it is not passed (the instance queues, named by the instances hash):
+# fine on standalone Redis; on Redis Cluster they would have to share one slot.
 _ADMIT_SCRIPT = """
-local backlog = redis.call('XLEN', KEYS[1])
-if backlog + #ARGV - 1 > tonumber(ARGV[1]) then
-  return {-1, backlog}
-end
+local num_requests = #KEYS - 3
 local ids = {}
-for i = 2, #ARGV do
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'm', ARGV[i])
+local num_new = 0
+local counted = {}
+for i = 1, num_requests do
+  local existing = redis.call('GET', KEYS[3 + i])
+  if existing then
+    ids[i] = existing
+  elseif not counted[KEYS[3 + i]] then
+    counted[KEYS[3 + i]] = true
+    num_new = num_new + 1
+  end
+end
+if num_new > 0 then
+  local backlog = redis.call('XLEN', KEYS[1]) + redis.call('XLEN', KEYS[2])
+  for _, instance_id in ipairs(redis.call('HKEYS', KEYS[3])) do
+    backlog = backlog + redis.call('XLEN', ARGV[3] .. instance_id .. ARGV[4])
+  end
+  if backlog + num_new > tonumber(ARGV[1]) then
+    return {-1, backlog}
+  end
+end
+for i = 1, num_requests do
+  if not ids[i] then
+    -- a second request with the same id in this batch finds the first one's key
+    local existing = redis.call('GET', KEYS[3 + i])
+    if existing then
+      ids[i] = existing
+    else
+      ids[i] = redis.call('XADD', KEYS[1], '*', 'm', ARGV[4 + i])
+      redis.call('SET', KEYS[3 + i], ids[i], 'EX', tonumber(ARGV[2]))
+    end
+  end
 end
 return ids
 """
 
 
 class Overloaded(Exception):
-    """The ingress backlog is past its limit; retry after ``retry_after_s``."""
+    """The backlog (requests accepted and not finished: waiting in ``req``, ``ready`` or
+    an instance queue, or running) is past its limit; nothing of the refused call was
+    enqueued. Retry after ``retry_after_s``."""
 
     def __init__(self, backlog: int, limit: int, retry_after_s: float = 1.0) -> None:
-        super().__init__(f"overloaded: ingress backlog {backlog} entries, limit {limit}; retry later")
+        super().__init__(f"overloaded: backlog {backlog} requests, limit {limit}; retry later")
         self.backlog = backlog
         self.limit = limit
         self.retry_after_s = retry_after_s
@@ -85,19 +124,56 @@ def build_request(spec: SubmitSpec, settings: Settings) -> Request:
     return Request.from_map(request.to_map(), settings.limits)
 
 
+def _admission_call(requests: list[Request], settings: Settings) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of the admission script for ``requests``."""
+    keys = settings.keys
+    # The script builds instance queue names itself (from the instances hash): hand it the
+    # parts of the name around the instance id, so that key names stay in blockq.keys.
+    marker = "\x00"
+    queue_head, queue_tail = keys.instance_queue(marker).split(marker)
+    script_keys = [keys.requests, keys.ready, keys.instances, *(keys.submitted(r.id) for r in requests)]
+    args = [settings.max_ingress_backlog, settings.reply_ttl_s, queue_head, queue_tail,
+            *(encode(r) for r in requests)]
+    return script_keys, args
+
+
 def _admission_result(reply: list[Any], settings: Settings) -> list[str]:
+    """The entry ids of an admission (a request accepted before: its original entry id);
+    raises :class:`Overloaded` when it was refused."""
     if reply and reply[0] == -1:
         raise Overloaded(int(reply[1]), settings.max_ingress_backlog)
     return [r.decode() if isinstance(r, bytes) else r for r in reply]
 
 
 class ReplyReader:
-    """Turns reply-stream entries into in-order, de-duplicated chunks and a final record."""
+    """Turns reply-stream entries into in-order, de-duplicated chunks and a final record.
+
+    Guarantee: the chunks it yields hold each output token's text once, in order. It
+    de-duplicates by token offset, not chunk index, because a request executed again
+    (its worker died or was fenced) cuts its output into different chunks: a chunk
+    wholly below the tokens received yields nothing, one that overlaps them yields only
+    its unseen tail (cut where its overlapping part matches the text received from a
+    chunk boundary; a chunk that cannot be cut so is dropped). Workers resume a request
+    from what its stream already holds and answer with streamed text + the rest, so with
+    one writer at a time the yielded text equals the final record's ``text``. Entries
+    after the final record are ignored. Chunks without an offset (older writers) are
+    de-duplicated by index.
+    """
 
     def __init__(self) -> None:
         self.last_entry_id = "0-0"
-        self.next_index = 0
+        self.next_index = 0          # one past the highest chunk index seen
+        self.num_tokens_received = 0
         self.final: FinalRecord | None = None
+        self._text_parts: list[str] = []
+        self._num_chars = 0
+        # token offset -> characters received before it, at each received chunk's start
+        self._offset_to_chars: dict[int, int] = {0: 0}
+
+    @property
+    def text(self) -> str:
+        """The text of every chunk yielded so far."""
+        return "".join(self._text_parts)
 
     def feed(self, entries: Iterable[tuple[Any, Mapping[bytes, bytes]]]) -> list[Chunk]:
         fresh: list[Chunk] = []
@@ -108,12 +184,44 @@ class ReplyReader:
             message = decode_reply_entry(fields[PAYLOAD_FIELD.encode()])
             if isinstance(message, FinalRecord):
                 self.final = message
-            elif message.index == self.next_index:
-                fresh.append(message)
-                self.next_index += 1
-            # index < next_index: a re-sent duplicate; index > next_index cannot happen
-            # (one writer at a time, in order) and would be dropped with its duplicates.
+                continue
+            chunk = self._unseen_part(message)
+            self.next_index = max(self.next_index, message.index + 1)
+            if chunk is not None:
+                self._accept(chunk)
+                fresh.append(chunk)
         return fresh
+
+    def _unseen_part(self, chunk: Chunk) -> Chunk | None:
+        """``chunk``, its unseen tail, or None when nothing in it is new."""
+        if chunk.offset_tokens is None:
+            return chunk if chunk.index >= self.next_index else None
+        end_tokens = chunk.offset_tokens + chunk.num_tokens
+        if end_tokens <= self.num_tokens_received:
+            return None
+        if chunk.offset_tokens >= self.num_tokens_received:
+            # At the end of what was received, or past it: nothing earlier can fill a gap
+            # (one writer at a time never leaves one), so the text is yielded as it is.
+            return chunk
+        start_chars = self._offset_to_chars.get(chunk.offset_tokens)
+        if start_chars is None:
+            return None
+        seen = self.text[start_chars:]
+        if not chunk.text.startswith(seen):
+            return None
+        return Chunk(chunk.request_id, chunk.index, chunk.text[len(seen):],
+                     end_tokens - self.num_tokens_received, self.num_tokens_received)
+
+    def _accept(self, chunk: Chunk) -> None:
+        start_tokens = self.num_tokens_received if chunk.offset_tokens is None else chunk.offset_tokens
+        self._offset_to_chars[start_tokens] = self._num_chars
+        self._text_parts.append(chunk.text)
+        self._num_chars += len(chunk.text)
+        if chunk.offset_tokens is None:
+            self.num_tokens_received += chunk.num_tokens
+        else:
+            self.num_tokens_received = chunk.offset_tokens + chunk.num_tokens
+        self._offset_to_chars[self.num_tokens_received] = self._num_chars
 
 
 def _queue_cancel(pipe: Any, settings: Settings, request_id: str) -> None:
@@ -145,7 +253,8 @@ class Handle:
         self._reader = ReplyReader()
 
     def stream(self, timeout_s: float | None = 300.0) -> Iterator[Chunk]:
-        """Yield chunks in order, each exactly once, until the final record arrives."""
+        """Yield chunks in order, each output token's text exactly once (see
+        :class:`ReplyReader`), until the final record arrives."""
         deadline = _deadline(timeout_s)
         stream_key = self.request.reply_stream
         while self._reader.final is None:
@@ -182,13 +291,15 @@ class Client:
         return self.submit_many([SubmitSpec(prompt=prompt, **options)])[0]
 
     def submit_many(self, specs: Iterable[SubmitSpec]) -> list[Handle]:
-        """Enqueue several requests in one round trip, all or none."""
+        """Enqueue several requests in one round trip, all or none; raises Overloaded past
+        the backlog limit. Idempotent per request id (for ``reply_ttl_s``): a request whose
+        id was accepted before is not enqueued again, and its handle reads the first
+        submission's output."""
         requests = [build_request(spec, self.settings) for spec in specs]
         if not requests:
             return []
-        reply = self._admit(keys=[self.settings.keys.requests],
-                            args=[self.settings.max_ingress_backlog, *(encode(r) for r in requests)])
-        _admission_result(reply, self.settings)
+        script_keys, args = _admission_call(requests, self.settings)
+        _admission_result(self._admit(keys=script_keys, args=args), self.settings)
         return [Handle(self, r) for r in requests]
 
     def cancel(self, request_id: str) -> None:
@@ -256,12 +367,12 @@ class AsyncClient:
         return (await self.submit_many([SubmitSpec(prompt=prompt, **options)]))[0]
 
     async def submit_many(self, specs: Iterable[SubmitSpec]) -> list[AsyncHandle]:
+        """As :meth:`Client.submit_many`."""
         requests = [build_request(spec, self.settings) for spec in specs]
         if not requests:
             return []
-        reply = await self._admit(keys=[self.settings.keys.requests],
-                                  args=[self.settings.max_ingress_backlog, *(encode(r) for r in requests)])
-        _admission_result(reply, self.settings)
+        script_keys, args = _admission_call(requests, self.settings)
+        _admission_result(await self._admit(keys=script_keys, args=args), self.settings)
         return [AsyncHandle(self, r) for r in requests]
 
     async def cancel(self, request_id: str) -> None:

@@ -11,6 +11,8 @@ Example ``cluster.toml``::
     time_scale = 1.0
     predictor_backend = "heuristic"   # or "fast" with predictor_model = "models/fast"
     gateway = false
+    gateway_allow_unauthenticated = false   # needed to bind a non-loopback host without API keys
+    redis_maxmemory = "1gb"   # embedded Redis only; noeviction: writes fail when it is full
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from blockq.config import ConfigError
+from blockq.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class ClusterConfig:
     gateway: bool = False
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
+    gateway_allow_unauthenticated: bool = False
     batch_worker: bool = False
+    redis_maxmemory: str = DEFAULT_MAXMEMORY
 
     def __post_init__(self) -> None:
         if not 1 <= self.instances <= 1024:
@@ -53,6 +58,7 @@ class ClusterConfig:
             raise ConfigError(f"noise: must be in [0, 1] (got {self.noise})")
         if not 1 <= self.gateway_port <= 65535:
             raise ConfigError(f"gateway_port: must be a TCP port (got {self.gateway_port})")
+        check_maxmemory(self.redis_maxmemory)
 
     @property
     def num_worker_processes(self) -> int:
@@ -96,8 +102,10 @@ class ClusterConfig:
                 "--first-index", str(first), "--preset", self.preset, "--time-scale", str(self.time_scale),
                 "--noise", str(self.noise), "--seed", str(self.seed))))
         if self.gateway:
-            children.append(("gateway", ("blockq.gateway", "--host", self.gateway_host,
-                                         "--port", str(self.gateway_port))))
+            gateway = ["blockq.gateway", "--host", self.gateway_host, "--port", str(self.gateway_port)]
+            if self.gateway_allow_unauthenticated:
+                gateway.append("--allow-unauthenticated")
+            children.append(("gateway", tuple(gateway)))
         if self.batch_worker:
             children.append(("batch-worker", ("blockq.batch", "worker")))
         return children

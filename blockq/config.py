@@ -6,7 +6,9 @@ Environment variables (all optional):
 =============================  ==========================================================
 ``BLOCKQ_REDIS_URL``           ``redis://`` or ``rediss://`` URL (user, password allowed)
 ``BLOCKQ_KEY_PREFIX``          key prefix, default ``bq:``
-``BLOCKQ_MAX_BACKLOG``         ingress backlog (entries) past which submit raises Overloaded
+``BLOCKQ_MAX_BACKLOG``         requests accepted and not finished (entries in ``req``, ``ready``
+                               and every instance queue) past which submit raises Overloaded
+``BLOCKQ_MAX_DELIVERIES``      an entry delivered more often than this is dead-lettered
 ``BLOCKQ_REPLY_TTL_S``         reply stream lifetime after its last write, seconds
 ``BLOCKQ_REPLY_READ_TTL_S``    reply stream lifetime once the final record was read
 ``BLOCKQ_CLAIM_IDLE_MS``       pending entries idle this long are claimed by a live peer
@@ -57,6 +59,7 @@ class Settings:
     reply_ttl_s: int = 3600
     reply_read_ttl_s: int = 60
     claim_idle_ms: int = 30_000
+    max_deliveries: int = 5
     heartbeat_interval_ms: int = 100
     state_dir: Path = field(default_factory=lambda: Path(".blockq"))
     log_level: str = "info"
@@ -66,7 +69,7 @@ class Settings:
         if self.redis_url is not None:
             validate_redis_url(self.redis_url)
         for name in ("max_ingress_backlog", "reply_ttl_s", "reply_read_ttl_s", "claim_idle_ms",
-                     "heartbeat_interval_ms"):
+                     "max_deliveries", "heartbeat_interval_ms"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1 (got {getattr(self, name)})")
         if self.log_level not in LOG_LEVELS:
@@ -111,6 +114,7 @@ class Settings:
             "reply_ttl_s": read_int("REPLY_TTL_S", cls.reply_ttl_s),
             "reply_read_ttl_s": read_int("REPLY_READ_TTL_S", cls.reply_read_ttl_s),
             "claim_idle_ms": read_int("CLAIM_IDLE_MS", cls.claim_idle_ms),
+            "max_deliveries": read_int("MAX_DELIVERIES", cls.max_deliveries),
             "heartbeat_interval_ms": read_int("HEARTBEAT_MS", cls.heartbeat_interval_ms),
             "state_dir": Path(env.get(ENV_PREFIX + "STATE_DIR") or ".blockq"),
             "log_level": (env.get(ENV_PREFIX + "LOG_LEVEL") or "info").lower(),

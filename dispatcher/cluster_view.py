@@ -5,6 +5,12 @@ while beats arrive, ``suspect`` after two missed intervals, ``dead`` after
 ``dead_after_s`` without a beat; ``draining`` / ``stopped`` when the worker says so.
 Only ``live`` instances receive new requests.
 
+Silence counts only while the dispatcher could have heard a beat: after it starts leading,
+reconnects, or its own reads failed, it calls :meth:`ClusterView.hear_again`, and no
+instance is ``dead`` until ``dead_after_s`` has passed since then (it is ``suspect``
+meanwhile: no new requests, queue left alone). Otherwise an outage of Redis itself would
+make every instance look dead at once and hand every queue to the first one to beat again.
+
 A heartbeat is a snapshot from the past, so the view also remembers what the
 dispatcher itself assigned since: ``assigned_not_seen`` holds requests placed on an
 instance that its latest beat does not show yet; they are dropped once a beat shows them
@@ -29,13 +35,16 @@ class InstanceView:
 
     instance_id: str
     heartbeat: Heartbeat
-    last_beat_at_s: float           # dispatcher's clock when the beat was applied
+    last_beat_at_s: float           # dispatcher's clock when the beat reached Redis (else: was applied)
     health: str = "joining"
     assigned_not_seen: dict[str, Request] = field(default_factory=dict)
     num_assigned_total: int = 0
     batch_request_ids: set[str] = field(default_factory=set)  # batch work placed here, not finished
     replica: InstanceReplica | None = None
     replica_synced_at_s: float = float("-inf")
+    # Whether refresh_health already reported this instance gone (dead or stopped) since
+    # its last beat that said otherwise: its queue is re-placed once per departure.
+    left_reported: bool = False
 
     @property
     def config(self) -> EngineConfig:
@@ -73,6 +82,13 @@ class ClusterView:
         self.keep_replicas = keep_replicas
         self.lengths = check_length_mode(lengths)
         self.resync_interval_s = resync_interval_s
+        self.audible_since_s = float("-inf")
+
+    def hear_again(self, now_s: float) -> None:
+        """The dispatcher can hear beats from ``now_s`` on (it starts leading, reconnected,
+        or its reads failed until now): silence before ``now_s`` no longer makes an
+        instance dead (see the module docstring)."""
+        self.audible_since_s = max(self.audible_since_s, now_s)
 
     def replica(self, view: InstanceView, now_wall_s: float) -> InstanceReplica:
         """``view``'s scheduler replica, advanced to ``now_wall_s`` along its own trajectory
@@ -85,8 +101,13 @@ class ClusterView:
             view.replica.advance(now_wall_s)
         return view.replica
 
-    def apply_heartbeat(self, beat: Heartbeat, now_s: float) -> InstanceView:
+    def apply_heartbeat(self, beat: Heartbeat, now_s: float, heard_at_s: float | None = None) -> InstanceView:
         """Record ``beat``; stale or repeated beats (seq not newer) change nothing.
+
+        ``heard_at_s``: when the beat reached the bus, on the caller's clock (default
+        ``now_s``); an instance's silence is measured from it, so that a beat replayed
+        long after it was sent does not make its instance look fresh. The replica is
+        synced at ``now_s`` either way (the beat's own times say how old its state is).
 
         An instance's replica (kept only for policies that simulate) is rebuilt from the
         beat when at least ``resync_interval_s`` has passed since its last rebuild: a
@@ -102,14 +123,17 @@ class ClusterView:
         if self._needs_check(view, beat):
             EngineConfig.from_dict(beat.engine_config)
             _latency_model(beat)
+        heard_at_s = now_s if heard_at_s is None else min(heard_at_s, now_s)
         if view is None:
-            view = InstanceView(beat.instance_id, beat, now_s)
+            view = InstanceView(beat.instance_id, beat, heard_at_s)
             self.instances[beat.instance_id] = view
         elif beat.seq <= view.heartbeat.seq and beat.sent_at_s <= view.heartbeat.sent_at_s:
             return view
         view.heartbeat = beat
-        view.last_beat_at_s = now_s
+        view.last_beat_at_s = heard_at_s
         view.health = beat.state
+        if beat.state != "stopped":
+            view.left_reported = False
         self._reconcile(view, beat)
         if view.replica is None:
             if self.keep_replicas and beat.state == "live":
@@ -149,15 +173,23 @@ class ClusterView:
         view.batch_request_ids.difference_update(beat.finished_ids)
 
     def refresh_health(self, now_s: float) -> list[InstanceView]:
-        """Update health from beat ages; returns the instances that just became ``dead``."""
-        newly_dead = []
+        """Update health from beat ages; returns the instances that just left: became
+        ``dead``, or were first seen ``stopped`` (each once per departure)."""
+        newly_gone = []
         for view in self.instances.values():
-            if view.health in ("dead", "stopped"):
-                continue
-            view.health = self.health_policy.classify(view.heartbeat.state, now_s - view.last_beat_at_s)
-            if view.health == "dead":
-                newly_dead.append(view)
-        return newly_dead
+            if view.health not in ("dead", "stopped"):
+                view.health = self._classify(view, now_s)
+            if view.health in ("dead", "stopped") and not view.left_reported:
+                view.left_reported = True
+                newly_gone.append(view)
+        return newly_gone
+
+    def _classify(self, view: InstanceView, now_s: float) -> str:
+        health = self.health_policy.classify(view.heartbeat.state, now_s - view.last_beat_at_s)
+        audible_for_s = now_s - max(view.last_beat_at_s, self.audible_since_s)
+        if health == "dead" and audible_for_s <= self.health_policy.dead_after_s:
+            return "suspect"  # silent, but not for long enough that the dispatcher could tell
+        return health
 
     def record_assignment(self, instance_id: str, request: Request) -> None:
         """Record a request placed on ``instance_id``. Its replica (if any) takes it first:

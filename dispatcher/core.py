@@ -87,19 +87,25 @@ class DispatcherCore:
 
     # --- heartbeats and health ----------------------------------------------------------
 
-    def apply_heartbeat(self, beat: Heartbeat, now_s: float) -> str | None:
-        """Apply one beat received at ``now_s``; returns None, or why the beat was rejected
-        (counted; the beat changes nothing and the core carries on)."""
+    def apply_heartbeat(self, beat: Heartbeat, now_s: float, heard_at_s: float | None = None) -> str | None:
+        """Apply one beat received at ``now_s`` (that reached the bus at ``heard_at_s``,
+        default ``now_s``: see :meth:`ClusterView.apply_heartbeat`); returns None, or why
+        the beat was rejected (counted; the beat changes nothing and the core carries on)."""
         try:
-            self.view.apply_heartbeat(beat, now_s)
+            self.view.apply_heartbeat(beat, now_s, heard_at_s)
         except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
             self.stats.num_beats_rejected += 1
             return f"{type(exc).__name__}: {exc}"
         self.stats.num_beats_applied += 1
         return None
 
+    def hear_again(self, now_s: float) -> None:
+        """Silence before ``now_s`` makes no instance dead (:meth:`ClusterView.hear_again`)."""
+        self.view.hear_again(now_s)
+
     def refresh_health(self, now_s: float) -> list[str]:
-        """Update health from beat ages; the ids of instances that just became ``dead``."""
+        """Update health from beat ages; the ids of instances that just left (became
+        ``dead``, or were first seen ``stopped``): their queues are to be re-placed."""
         return [view.instance_id for view in self.view.refresh_health(now_s)]
 
     def live_instances(self) -> list[InstanceView]:

@@ -6,28 +6,50 @@ active leader per cluster (a lease in Redis); standbys wait for the lease. The l
 follows every heartbeat (plain XREAD: each dispatcher sees all beats; a beat the core
 rejects is logged and skipped), reads ``ready`` in batches through the ``dispatch``
 group, has the core place each request in order (each decision sees the previous ones)
-and writes all queue XADDs and ACKs of a batch in one pipeline. Requests that cannot be
-placed (no live instance) stay un-ACKed in memory and are retried; they are never
-dropped. When an instance dies, the entries still in its queue are placed again on live
-instances.
+and writes all queue XADDs, owner keys and ACKs of a batch in one transaction. Requests
+that cannot be placed (no live instance) stay un-ACKed in memory (pending in ``ready``)
+and are retried; they are never dropped. When an instance dies or stops, the entries
+still in its queue are placed again on live instances.
+
+Crashes and pauses:
+
+* **Ownership.** Each placement sets ``owner:{id}`` (:func:`blockq.output.set_owner`)
+  in the transaction that queues the request; a re-placement moves it. So the entries a
+  dead instance had already taken can be moved too: if its executor was only paused, its
+  writes are refused when it resumes.
+* **Fenced writes.** Every write of a leader is a MULTI/EXEC under WATCH of the lease key
+  whose value is checked first (:meth:`Dispatcher.write_fenced`): a leader paused past its
+  lease writes nothing when it resumes, drops what it held in memory (still pending in
+  ``ready`` for the next leader) and goes back to standby. The lease value is new for
+  each term, and it is released by compare-and-delete.
+* **Silence it could not hear.** At the start of a term and after Redis errors, no
+  instance is declared dead until ``dead_after_s`` after beats could be read again
+  (:meth:`ClusterView.hear_again`), and each beat is dated by when it reached Redis (its
+  entry id, against Redis' own clock), so a replayed beat 30 s old is not fresh.
+* **Stable consumer name.** ``dispatcher_id`` is the consumer name in ``dispatch``: a
+  restarted dispatcher under the same name reads its predecessor's pending entries first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
 import redis.asyncio as aioredis
 import structlog
 
 from blockq.config import Settings
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
 from blockq.health import HealthPolicy
-from blockq.keys import GROUP_DISPATCH, PAYLOAD_FIELD
+from blockq.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
+from blockq.output import set_owner
 from blockq.protocol import Request, ValidationError, decode_heartbeat, decode_request, encode
 from blockq.streams import GroupConsumer, StreamEntry
 from dispatcher.cluster_view import ClusterView
@@ -45,6 +67,24 @@ end
 return 0
 """
 
+# Lease release: delete only our own term's lease (a GET then DEL could delete a successor's).
+_RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# Errors of an unreachable Redis: the leader backs off and retries instead of exiting.
+REDIS_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
+
+Pipeline = aioredis.client.Pipeline
+
+
+class LeaseLost(Exception):
+    """This dispatcher's term is over (another holds the lease, or it expired); the write
+    that found out wrote nothing."""
+
 
 @dataclass(frozen=True)
 class DispatcherOptions:
@@ -60,9 +100,12 @@ class Dispatcher:
 
     def __init__(self, client: aioredis.Redis, settings: Settings, core: DispatcherCore, *,
                  dispatcher_id: str, options: DispatcherOptions | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 token_factory: Callable[[], str] = lambda: secrets.token_hex(6)) -> None:
         """``clock``: wall seconds, read once per batch of beats and once per batch of
-        requests; the core decides with what it says."""
+        requests; the core decides with what it says. ``dispatcher_id``: the consumer
+        name in ``dispatch`` (keep it across restarts). ``token_factory``: the random part
+        of each term's lease value."""
         self.client = client
         self.clock = clock
         self.settings = settings
@@ -70,9 +113,15 @@ class Dispatcher:
         self.dispatcher_id = dispatcher_id
         self.options = options or DispatcherOptions()
         self.keys = settings.keys
-        self.consumer = GroupConsumer(client, self.keys.ready, GROUP_DISPATCH, dispatcher_id,
-                                      dead_letter_stream=self.keys.dead_letters,
-                                      claim_idle_ms=settings.claim_idle_ms)
+        self.consumer = self._new_consumer()
+        self.token_factory = token_factory
+        # The lease value of the current term; None: not leading.
+        self.lease_token: str | None = None
+        # Set by the first term: from then on every write checks the lease.
+        self._fences_writes = False
+        # Beats may have gone unread (new term, failed reads): the next read starts a grace.
+        self._beats_unheard = False
+        self._beats_read_at_s = float("-inf")
         self.unplaced: deque[tuple[StreamEntry, Request]] = deque()
         # Entry ids held in `unplaced`: a slow batch can outlive claim_idle_ms, and the
         # entries XAUTOCLAIM hands back then are ones this dispatcher already holds.
@@ -81,7 +130,15 @@ class Dispatcher:
         self._queues_to_redispatch: set[str] = set()
         self._last_num_placed = 0
         self._renew_lease = client.register_script(_RENEW_LEASE)
+        self._release_lease = client.register_script(_RELEASE_LEASE)
         self.num_placed = 0
+
+    def _new_consumer(self) -> GroupConsumer:
+        # A new consumer reads this name's pending entries first: what a predecessor (or
+        # this dispatcher before it dropped its batch) left un-ACKed.
+        return GroupConsumer(self.client, self.keys.ready, GROUP_DISPATCH, self.dispatcher_id,
+                             dead_letter_stream=self.keys.dead_letters, claim_idle_ms=self.settings.claim_idle_ms,
+                             settings=self.settings)
 
     @property
     def view(self) -> ClusterView:
@@ -94,116 +151,246 @@ class Dispatcher:
     # --- leadership ---------------------------------------------------------------------
 
     async def acquire_lease(self, stop: asyncio.Event) -> bool:
-        """Wait until this dispatcher holds the leader lease (or ``stop``)."""
+        """Wait until this dispatcher holds the leader lease (or ``stop``), then start a
+        term. The lease value, ``{dispatcher_id}:{token}``, is new for each term, so two
+        dispatchers under one consumer name never take each other's lease for their own."""
+        token = f"{self.dispatcher_id}:{self.token_factory()}"
         while not stop.is_set():
-            if await self.client.set(self.keys.dispatcher_lease, self.dispatcher_id, nx=True,
-                                     px=self.options.lease_ms):
-                log.info("dispatcher_leader", dispatcher_id=self.dispatcher_id)
-                return True
+            try:
+                if await self.client.set(self.keys.dispatcher_lease, token, nx=True, px=self.options.lease_ms):
+                    self._begin_term(token)
+                    return True
+            except REDIS_UNAVAILABLE as exc:
+                log.warning("dispatcher_redis_unavailable", error=str(exc))
             await asyncio.sleep(self.options.lease_ms / 3000)
         return False
 
     async def renew_lease(self) -> bool:
+        """Extend this term's lease; False when it is no longer ours (or there is no term)."""
+        if self.lease_token is None:
+            return False
         return bool(await self._renew_lease(keys=[self.keys.dispatcher_lease],
-                                            args=[self.dispatcher_id, self.options.lease_ms]))
+                                            args=[self.lease_token, self.options.lease_ms]))
+
+    async def release_lease(self) -> bool:
+        """End the term: delete the lease if it is still this term's (compare-and-delete in
+        one script). Returns whether a lease was deleted."""
+        token, self.lease_token = self.lease_token, None
+        if token is None:
+            return False
+        return bool(await self._release_lease(keys=[self.keys.dispatcher_lease], args=[token]))
+
+    def _begin_term(self, token: str) -> None:
+        """A new term starts from what Redis holds, not from what this dispatcher knew when
+        it last led: a fresh view rebuilt from the whole beat history (dated by age, with
+        a grace), and this name's pending entries read first."""
+        self.lease_token = token
+        self._fences_writes = True
+        self._reset_after_interruption()
+        log.info("dispatcher_leader", dispatcher_id=self.dispatcher_id, lease=token)
+
+    def _reset_after_interruption(self) -> None:
+        """Forget the batch in hand (its entries stay pending in ``ready`` under this
+        consumer name) and the view (its assignments may include writes that never
+        happened); the next reads rebuild both, and the beats read next start a grace."""
+        self.unplaced.clear()
+        self._unplaced_ids.clear()
+        self._queues_to_redispatch.clear()
+        self.view.forget(list(self.view.instances))
+        self._last_beat_id = "0-0"
+        self._beats_unheard = True
+        self.consumer = self._new_consumer()
+
+    def _step_down(self, reason: str) -> None:
+        log.warning("dispatcher_lost_lease", dispatcher_id=self.dispatcher_id, reason=reason,
+                    num_dropped=len(self.unplaced))
+        self.lease_token = None
+        self._reset_after_interruption()
 
     # --- main loop ----------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Stand by for the lease, lead until it is lost, stand by again; until ``stop``."""
         await self.consumer.ensure_group()
-        if not await self.acquire_lease(stop):
-            return
-        next_renew_s = time.monotonic() + self.options.lease_ms / 3000
         try:
-            while not stop.is_set():
+            while await self.acquire_lease(stop):
+                await self.lead(stop)
+        finally:
+            with contextlib.suppress(*REDIS_UNAVAILABLE):
+                await self.release_lease()
+
+    async def lead(self, stop: asyncio.Event) -> None:
+        """Run steps until ``stop`` or the end of the term. A Redis error does not end the
+        term: the batch in hand is dropped (:meth:`_reset_after_interruption`), the loop
+        backs off and retries, and the renewal after it says whether the term survived."""
+        next_renew_s = time.monotonic() + self.options.lease_ms / 3000
+        while not stop.is_set():
+            try:
                 if time.monotonic() >= next_renew_s:
                     if not await self.renew_lease():
-                        log.warning("dispatcher_lost_lease", dispatcher_id=self.dispatcher_id)
-                        if not await self.acquire_lease(stop):
-                            return
+                        raise LeaseLost("renewal refused")
                     next_renew_s = time.monotonic() + self.options.lease_ms / 3000
                 await self.step()
-        finally:
-            if await self.client.get(self.keys.dispatcher_lease) == self.dispatcher_id.encode():
-                await self.client.delete(self.keys.dispatcher_lease)
+            except LeaseLost as exc:
+                self._step_down(str(exc))
+                return
+            except REDIS_UNAVAILABLE as exc:
+                log.warning("dispatcher_redis_unavailable", error=str(exc))
+                self._reset_after_interruption()
+                next_renew_s = 0.0  # first thing after the outage: is the lease still ours?
+                await asyncio.sleep(self.options.lease_ms / 3000)
 
     async def step(self) -> int:
-        """One round: follow beats, re-place the queues of dead instances, place a batch.
-        Returns the number of requests placed."""
+        """One round: follow beats, re-place the queues of dead or stopped instances, place
+        a batch. Returns the number of requests placed. Raises :class:`LeaseLost` when a
+        write found the term over (nothing of it was written)."""
         await self.follow_heartbeats()
         self._queues_to_redispatch.update(self.core.refresh_health(self.clock()))
         for instance_id in sorted(self._queues_to_redispatch):
-            if self.view.instances[instance_id].health != "dead" or await self.redispatch_queue(instance_id) is not None:
+            view = self.view.instances.get(instance_id)
+            if (view is None or view.health not in ("dead", "stopped")
+                    or await self.redispatch_queue(instance_id) is not None):
                 self._queues_to_redispatch.discard(instance_id)
         entries: list[StreamEntry] = []
         if len(self.unplaced) < self.options.max_unplaced:
             # Requests in hand that could be placed: poll briefly. Only held (batch) work,
             # or none: block, so that held work does not spin the loop.
             block_ms = 1 if self.unplaced and self._last_num_placed else self.options.block_ms
-            entries = await self.consumer.read(self.options.batch_size, block_ms)
+            entries = await self.consumer.read(self.options.batch_size, block_ms, held_ids=self._unplaced_ids)
         elif not self.view.live_instances():
             await asyncio.sleep(self.options.block_ms / 1000)
         return await self.place_batch(entries)
 
     async def follow_heartbeats(self) -> None:
-        """Apply every heartbeat published since the last call (non-blocking)."""
-        while True:
-            reply = await self.client.xread({self.keys.heartbeats: self._last_beat_id}, count=1000)
-            if not reply:
-                return
-            now_s = self.clock()
-            for entry_id, fields in reply[0][1]:
-                self._last_beat_id = entry_id.decode()
-                try:
-                    problem = self.core.apply_heartbeat(decode_heartbeat(fields[PAYLOAD_FIELD.encode()]), now_s)
-                except (ValidationError, KeyError, TypeError) as exc:
-                    problem = f"{type(exc).__name__}: {exc}"
-                    self.core.stats.num_beats_rejected += 1
-                if problem is not None:
-                    log.warning("heartbeat_rejected", entry_id=self._last_beat_id, error=problem,
-                                num_rejected=self.core.stats.num_beats_rejected)
-            if len(reply[0][1]) < 1000:
-                return
+        """Apply every heartbeat published since the last call (non-blocking).
+
+        Each beat is dated by when it reached Redis: its entry id (Redis' clock, in ms)
+        against Redis' TIME, read in the same round trip, so neither the workers' clocks
+        nor this host's enter the age. A read that succeeds after beats may have gone
+        unheard starts a grace (:meth:`DispatcherCore.hear_again`): after a failed read,
+        at the start of a term, or when more than half of ``dead_after_s`` passed since
+        the previous read (Redis stalled, e.g. clients paused for a failover, or this
+        process was). A beat that cannot be decoded or applied is logged, counted, skipped."""
+        try:
+            while True:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.time()
+                pipe.xread({self.keys.heartbeats: self._last_beat_id}, count=1000)
+                (redis_s, redis_us), reply = await pipe.execute()
+                now_s = self.clock()
+                if self._beats_unheard or now_s - self._beats_read_at_s > self.view.health_policy.dead_after_s / 2:
+                    self._beats_unheard = False
+                    self.core.hear_again(now_s)
+                self._beats_read_at_s = now_s
+                entries = reply[0][1] if reply else []
+                for entry_id, fields in entries:
+                    self._apply_beat_entry(entry_id.decode(), fields, now_s, redis_s * 1000 + redis_us // 1000)
+                if len(entries) < 1000:
+                    return
+        except REDIS_UNAVAILABLE:
+            self._beats_unheard = True
+            raise
+
+    def _apply_beat_entry(self, entry_id: str, fields: dict[bytes, bytes], now_s: float, redis_now_ms: int) -> None:
+        self._last_beat_id = entry_id
+        age_s = max(0, redis_now_ms - int(entry_id.split("-", 1)[0])) / 1000
+        try:
+            problem = self.core.apply_heartbeat(decode_heartbeat(fields[PAYLOAD_FIELD.encode()]), now_s,
+                                                heard_at_s=now_s - age_s)
+        except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
+            problem = f"{type(exc).__name__}: {exc}"
+            self.core.stats.num_beats_rejected += 1
+        if problem is not None:
+            log.warning("heartbeat_rejected", entry_id=entry_id, error=problem,
+                        num_rejected=self.core.stats.num_beats_rejected)
 
     async def place_batch(self, entries: list[StreamEntry]) -> int:
-        """Place retried and new requests in order; one pipeline for all writes."""
-        pipe = self.client.pipeline(transaction=False)
+        """Place retried and new requests in order; all writes in one fenced transaction
+        (:meth:`write_fenced`). Held requests stay in memory, pending in ``ready``."""
+        dead: list[tuple[StreamEntry, str]] = []
         for entry in entries:
             if entry.entry_id in self._unplaced_ids:
                 continue
             try:
                 if entry.payload is None:
                     raise ValidationError("message", f"entry has no '{PAYLOAD_FIELD}' field")
-                self.unplaced.append((entry, decode_request(entry.payload, self.settings.limits)))
+                self.unplaced.append((entry, decode_request(entry.payload, self.settings.limits, keys=self.keys)))
                 self._unplaced_ids.add(entry.entry_id)
             except ValidationError as exc:
-                self.consumer.dead_letter(pipe, entry, str(exc))
+                dead.append((entry, str(exc)))
         queued = list(self.unplaced)
         self.unplaced.clear()
-        num_placed = 0
+        placed: list[tuple[StreamEntry, Request]] = []
         now_s = self.clock()
         for (entry, _), outcome in zip(queued, self.core.place([r for _, r in queued], now_s), strict=True):
             if isinstance(outcome, Held):
                 self.unplaced.append((entry, outcome.request))
-                continue
-            self._unplaced_ids.discard(entry.entry_id)
-            if isinstance(outcome, Placed):
-                placed = outcome.request
-                pipe.xadd(self.keys.instance_queue(placed.assignment.instance_id),  # type: ignore[union-attr]
-                          {PAYLOAD_FIELD: encode(placed)})
-                self.consumer.ack(pipe, [entry.entry_id])
-                num_placed += 1
+            elif isinstance(outcome, Placed):
+                placed.append((entry, outcome.request))
             else:
-                self.consumer.dead_letter(pipe, entry, outcome.reason)
-        self._last_num_placed = num_placed
-        if len(pipe):
+                dead.append((entry, outcome.reason))
+        if placed or dead:
+            await self.write_fenced(lambda pipe: self._queue_batch_writes(pipe, placed, dead))
+        for entry, _ in [*placed, *dead]:
+            self._unplaced_ids.discard(entry.entry_id)
+        self._last_num_placed = len(placed)
+        self.num_placed += len(placed)
+        return len(placed)
+
+    def _queue_batch_writes(self, pipe: Pipeline, placed: list[tuple[StreamEntry, Request]],
+                            dead: list[tuple[StreamEntry, str]]) -> None:
+        for entry, reason in dead:
+            self.consumer.dead_letter(pipe, entry, reason)
+        for entry, request in placed:
+            self._queue_placement(pipe, request)
+            self.consumer.ack(pipe, [entry.entry_id])
+
+    def _queue_placement(self, pipe: Pipeline, request: Request) -> None:
+        """Hand ``request``'s output to its instance and queue it there, on ``pipe``."""
+        instance_id = request.assignment.instance_id  # type: ignore[union-attr]
+        set_owner(pipe, self.keys, request.id, instance_id, self.settings.reply_ttl_s)
+        pipe.xadd(self.keys.instance_queue(instance_id), {PAYLOAD_FIELD: encode(request)})
+
+    async def write_fenced(self, queue_writes: Callable[[Pipeline], None]) -> None:
+        """Apply the writes ``queue_writes`` queues on a pipeline as one MULTI/EXEC that
+        Redis runs only while this term holds the lease: WATCH on the lease key, its value
+        checked, then the transaction (EXEC fails if the lease changed or expired since).
+        Raises :class:`LeaseLost` when the term is over; nothing was written then.
+
+        A dispatcher that never took the lease (driven through :meth:`step` directly, as
+        benchmarks and differential tests do) writes the same commands in one plain
+        pipeline. Redis Cluster: one transaction's keys must share a slot, and ``ready``,
+        instance queues and owner keys do not; this fencing needs a standalone Redis (or
+        Sentinel), or a cell whose keys are all under one hash tag."""
+        if not self._fences_writes:
+            pipe = self.client.pipeline(transaction=False)
+            queue_writes(pipe)
             await pipe.execute()
-        self.num_placed += num_placed
-        return num_placed
+            return
+        if self.lease_token is None:
+            raise LeaseLost("not leading")
+        lease_key = self.keys.dispatcher_lease
+        async with self.client.pipeline(transaction=True) as pipe:
+            await pipe.watch(lease_key)
+            holder = await pipe.get(lease_key)
+            if holder != self.lease_token.encode():
+                raise LeaseLost(f"the lease is held by {holder!r}")
+            pipe.multi()
+            queue_writes(pipe)
+            try:
+                await pipe.execute()
+            except redis.WatchError as exc:
+                raise LeaseLost("the lease changed during the write") from exc
 
     async def redispatch_queue(self, instance_id: str) -> int | None:
-        """Move every entry left in a dead instance's queue to live instances; returns how
-        many, or None when no instance is live (the caller retries later)."""
+        """Move every entry left in a dead or stopped instance's queue, unread or taken
+        (pending), to live instances, moving each request's owner in the same transaction:
+        an executor of the old instance that still runs is refused its writes, so moving
+        what it had taken cannot answer a request twice. Held requests (batch work, no
+        idle capacity) go back to ``ready``; rejected ones stay. The moved entries are
+        also ACKed in the old queue's ``work`` group, so a worker that comes back under
+        that id does not resume them. Returns how many were placed, or None when no
+        instance is live (the caller retries later)."""
         queue = self.keys.instance_queue(instance_id)
         if not self.view.live_instances():
             return None
@@ -211,24 +398,30 @@ class Dispatcher:
         decoded: list[tuple[bytes, Request]] = []
         for entry_id, fields in entries:
             try:
-                decoded.append((entry_id, decode_request(fields.get(PAYLOAD_FIELD.encode()), self.settings.limits)))
+                decoded.append((entry_id, decode_request(fields.get(PAYLOAD_FIELD.encode()), self.settings.limits,
+                                                          keys=self.keys)))
             except ValidationError:
                 continue  # the worker dead-letters it if it ever comes back
         outcomes = self.core.replace_unstarted(instance_id, [r for _, r in decoded], self.clock())
-        pipe = self.client.pipeline(transaction=False)
-        moved = 0
-        for (entry_id, _), outcome in zip(decoded, outcomes, strict=True):
-            if not isinstance(outcome, Placed):
-                continue  # stays in the dead queue, visible in `blockq status`
-            placed = outcome.request
-            pipe.xadd(self.keys.instance_queue(placed.assignment.instance_id),  # type: ignore[union-attr]
-                      {PAYLOAD_FIELD: encode(placed)})
-            pipe.xdel(queue, entry_id)
-            moved += 1
-        if moved:
-            await pipe.execute()
-        log.warning("instance_dead_requeued", instance=instance_id, moved=moved)
-        return moved
+        moved = [(entry_id, o.request) for (entry_id, _), o in zip(decoded, outcomes, strict=True)
+                 if isinstance(o, Placed)]
+        returned = [(entry_id, o.request) for (entry_id, _), o in zip(decoded, outcomes, strict=True)
+                    if isinstance(o, Held)]
+        if moved or returned:
+            await self.write_fenced(lambda pipe: self._queue_moves(pipe, queue, moved, returned))
+        log.warning("instance_queue_replaced", instance=instance_id,
+                    moved=len(moved), returned_to_ready=len(returned))
+        return len(moved)
+
+    def _queue_moves(self, pipe: Pipeline, queue: str, moved: list[tuple[bytes, Request]],
+                     returned: list[tuple[bytes, Request]]) -> None:
+        for _, request in moved:
+            self._queue_placement(pipe, request)
+        for _, request in returned:
+            pipe.xadd(self.keys.ready, {PAYLOAD_FIELD: encode(request)})
+        entry_ids = [entry_id for entry_id, _ in [*moved, *returned]]
+        pipe.xack(queue, GROUP_WORK, *entry_ids)
+        pipe.xdel(queue, *entry_ids)
 
 
 def prepare_for_decisions(core: DispatcherCore) -> None:

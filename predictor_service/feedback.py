@@ -124,6 +124,7 @@ class FeedbackConsumer:
         self.consumer = GroupConsumer(
             client, settings.keys.done, GROUP_FEEDBACK, consumer_name,
             dead_letter_stream=settings.keys.dead_letters, claim_idle_ms=settings.claim_idle_ms,
+            settings=settings,
         )  # fmt: skip
         self.num_counted = 0
         self.num_dead_lettered = 0

@@ -3,8 +3,15 @@ output-length distribution → ``ready``.
 
 Reads in batches through the ``predict`` consumer group so that N replicas share the
 work; one model call per batch. Each entry is ACKed in the same pipeline that writes
-its annotated copy to ``ready``; an entry that cannot be decoded or predicted is
-dead-lettered with the reason and the stage carries on.
+its annotated copy to ``ready``; an entry that cannot be decoded, validated (its reply
+stream must be its own, ``keys.reply(id)``) or predicted, whatever the exception, is
+dead-lettered with the reason, its client gets an error final record, and the stage
+carries on.
+
+The consumer name is stable (:func:`blockq.streams.default_consumer_name`, or
+``--consumer-name``), so a restarted stage finishes its predecessor's pending entries
+first; an entry that keeps killing the stage is dead-lettered after
+``Settings.max_deliveries`` deliveries.
 
 ``serve_predictor`` (the ``serve`` command) runs the stage together with the feedback
 consumer (:mod:`.feedback`), the optional online refit (:mod:`.online`) and the HTTP
@@ -15,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +33,7 @@ from blockq.config import ConfigError, Settings
 from blockq.keys import GROUP_PREDICT, PAYLOAD_FIELD
 from blockq.protocol import Prediction, Request, ValidationError, decode_request, encode
 from blockq.service import add_common_arguments, run_service, settings_from_args
-from blockq.streams import GroupConsumer, StreamEntry, connect_async
+from blockq.streams import GroupConsumer, StreamEntry, connect_async, default_consumer_name
 from blockq.tokenizer import TokenCounter, get_token_counter
 from predictor_service.manifest import read_manifest
 from predictor_service.models import (
@@ -45,11 +50,6 @@ log = structlog.get_logger(__name__)
 class StageOptions:
     batch_size: int = 64
     block_ms: int = 200
-
-
-def default_consumer_name(role: str) -> str:
-    """A consumer name unique per process and stable per host+pid."""
-    return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
 class PredictorStage:
@@ -75,7 +75,7 @@ class PredictorStage:
         keys = settings.keys
         self.consumer = GroupConsumer(
             client, keys.requests, GROUP_PREDICT, consumer_name or default_consumer_name("predict"),
-            dead_letter_stream=keys.dead_letters, claim_idle_ms=settings.claim_idle_ms,
+            dead_letter_stream=keys.dead_letters, claim_idle_ms=settings.claim_idle_ms, settings=settings,
         )
         self.num_annotated = 0
         self.num_dead_lettered = 0
@@ -99,9 +99,10 @@ class PredictorStage:
             try:
                 if entry.payload is None:
                     raise ValidationError("message", f"entry has no '{PAYLOAD_FIELD}' field")
-                decoded.append((entry, decode_request(entry.payload, self.settings.limits)))
-            except ValidationError as exc:
-                self.consumer.dead_letter(pipe, entry, str(exc))
+                decoded.append((entry, decode_request(entry.payload, self.settings.limits, keys=self.settings.keys)))
+            except Exception as exc:  # ValidationError names the field; anything else is a decoder fault
+                reason = str(exc) if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}"
+                self.consumer.dead_letter(pipe, entry, reason)
                 self.num_dead_lettered += 1
         annotated = self._annotate([request for _, request in decoded])
         for (entry, _), result in zip(decoded, annotated, strict=True):
@@ -120,13 +121,26 @@ class PredictorStage:
             return []
         predictor = self.predictor  # one model per batch, even if a refit swaps it meanwhile
         self.served_versions.add(predictor.version)
-        inputs = prediction_inputs(requests, self.token_counter)
+        try:
+            inputs = prediction_inputs(requests, self.token_counter)
+        except Exception:  # e.g. a tokenizer failing on one prompt: find which, alone
+            return [self._annotate_alone(predictor, request) for request in requests]
         results = annotate(predictor, requests, inputs)
         if self.on_annotated is not None:
             for request, one, result in zip(requests, inputs, results, strict=True):
                 if not isinstance(result, str):
                     self.on_annotated(request.id, one)
         return results
+
+    def _annotate_alone(self, predictor: LengthPredictor, request: Request) -> Request | str:
+        try:
+            inputs = prediction_inputs([request], self.token_counter)
+        except Exception as exc:
+            return _failure_reason(exc)
+        (result,) = annotate(predictor, [request], inputs)
+        if self.on_annotated is not None and not isinstance(result, str):
+            self.on_annotated(request.id, inputs[0])
+        return result
 
 
 def prediction_inputs(requests: Sequence[Request], token_counter: TokenCounter) -> list[PredictionInput]:
@@ -148,10 +162,12 @@ def prediction_inputs(requests: Sequence[Request], token_counter: TokenCounter) 
 def annotate(predictor: LengthPredictor, requests: Sequence[Request],
              inputs: Sequence[PredictionInput]) -> list[Request | str]:
     """One model call for the batch: each request with its :class:`Prediction`, or the
-    reason it could not be predicted (a bad request does not sink its batch)."""
+    reason it could not be predicted (a bad request does not sink its batch, and no
+    exception of the model escapes: an escaping one would crash the stage on the same
+    entries after every restart)."""
     try:
         predictions = predictor.predict(list(inputs))
-    except ValueError:
+    except Exception:
         return [_annotate_one(predictor, request, one) for request, one in zip(requests, inputs, strict=True)]
     return [request.with_prediction(_prediction(one, p, predictor.version))
             for request, one, p in zip(requests, inputs, predictions, strict=True)]
@@ -160,9 +176,16 @@ def annotate(predictor: LengthPredictor, requests: Sequence[Request],
 def _annotate_one(predictor: LengthPredictor, request: Request, one: PredictionInput) -> Request | str:
     try:
         (p,) = predictor.predict([one])
-    except ValueError as exc:
-        return f"prediction failed: {exc}"
+    except Exception as exc:
+        return _failure_reason(exc)
     return request.with_prediction(_prediction(one, p, predictor.version))
+
+
+def _failure_reason(exc: Exception) -> str:
+    # A ValueError is the model saying why the input does not fit; anything else is a
+    # fault, named by its type.
+    detail = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    return f"prediction failed: {detail}"
 
 
 def _prediction(one: PredictionInput, p: LengthPrediction, version: str) -> Prediction:
@@ -180,6 +203,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help="trained model directory (fast, roberta)")
     parser.add_argument("--tokenizer", default=None, help="token counter name (env BLOCKQ_TOKENIZER)")
     parser.add_argument("--batch-size", type=int, default=64, help="max requests per read and model call")
+    parser.add_argument("--consumer-name", default=None,
+                        help="consumer name in the predict and feedback groups; keep it across restarts, make "
+                             "it unique per replica (env BLOCKQ_CONSUMER_NAME; default predict-<hostname>)")
     parser.add_argument("--http-port", type=int, default=None, help="also serve the HTTP API on this port")
     parser.add_argument("--http-host", default="127.0.0.1")
     quality = parser.add_argument_group("online quality (from the done stream)")
@@ -225,7 +251,9 @@ async def serve_predictor(stop: asyncio.Event, client: aioredis.Redis, settings:
     from predictor_service.feedback import FeedbackConsumer, FeedbackOptions, build_quality_monitor
     from predictor_service.online import OnlineRefitOptions, OnlineRefitter
 
+    consumer_name = getattr(args, "consumer_name", None)
     stage = PredictorStage(client, settings, predictor, token_counter,
+                           consumer_name=consumer_name or default_consumer_name("predict"),
                            options=StageOptions(batch_size=args.batch_size))
     refitter = None
     if args.online_refit:
@@ -238,7 +266,7 @@ async def serve_predictor(stop: asyncio.Event, client: aioredis.Redis, settings:
                                        count_all_versions=args.feedback_all_versions)
     feedback = FeedbackConsumer(
         client, settings, build_quality_monitor(args.model_dir, predictor.version, feedback_options),
-        served_versions=stage.served_versions, consumer_name=default_consumer_name("feedback"),
+        served_versions=stage.served_versions, consumer_name=consumer_name or default_consumer_name("feedback"),
         options=feedback_options, on_counted=refitter.observe_done if refitter else None)
     runner = None
     if args.http_port is not None:

@@ -105,3 +105,29 @@ async def test_async_client_streams_and_submits_many(settings: Settings, sync_re
         assert texts == ["x", "y"]
         assert (await target.result(timeout_s=1)).output_tokens == 2
     assert sync_redis.xlen(settings.keys.requests) == 5
+
+
+def test_reader_de_duplicates_by_token_offset_across_executions() -> None:
+    from blockq.client import ReplyReader
+
+    rid = "r1"
+    reader = ReplyReader()
+    # First run streamed tokens 0-2 in two chunks; a second run re-sent from token 0 with
+    # other boundaries (wholly seen, then overlapping at a boundary), then went on.
+    messages = [Chunk(rid, 0, "a b", 2, 0), Chunk(rid, 1, " c", 1, 2),
+                Chunk(rid, 0, "a", 1, 0), Chunk(rid, 1, " b c d", 3, 1),  # not at a boundary: dropped
+                Chunk(rid, 1, " c d", 2, 2), Chunk(rid, 2, " e", 1, 4), final_for(rid, 3, "a b c d e")]
+    chunks = reader.feed((f"{i}-0", {PAYLOAD_FIELD.encode(): encode(m)}) for i, m in enumerate(messages, 1))
+    assert [(c.text, c.offset_tokens, c.num_tokens) for c in chunks] == [
+        ("a b", 0, 2), (" c", 2, 1), (" d", 3, 1), (" e", 4, 1)]
+    assert reader.text == reader.final.text == "a b c d e" and reader.num_tokens_received == 5
+    assert reader.next_index == 3
+
+
+def test_chunk_offset_round_trips_and_old_chunks_decode() -> None:
+    from blockq.protocol import decode_reply_entry, unpack_map
+
+    assert decode_reply_entry(encode(Chunk("r", 2, "x", 1, 7))) == Chunk("r", 2, "x", 1, 7)
+    old = {k: v for k, v in unpack_map(encode(Chunk("r", 2, "x", 1))).items()}
+    assert "offset_tokens" not in old
+    assert decode_reply_entry(encode(old)).offset_tokens is None

@@ -1,13 +1,22 @@
-"""``python -m workers`` / ``blockq worker``: one process serving one or more instances."""
+"""``python -m workers`` / ``blockq worker``: one process serving one or more instances.
+
+When any instance's worker fails (one of its loops died), the others are stopped without
+draining (their unfinished work stays pending, resumed by the restarted process) and the
+process exits with status 1, so that its supervisor restarts it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 
+import structlog
+
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import connect_async
-from workers.worker import InstanceWorker, WorkerOptions
+from workers.worker import InstanceWorker, WorkerFailed, WorkerOptions
+
+log = structlog.get_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,11 +65,23 @@ def run(args: argparse.Namespace) -> int:
         workers = [InstanceWorker(client, settings, instance_id, build_engine(args, i), options)
                    for i, instance_id in enumerate(ids)]
         try:
-            await asyncio.gather(*(w.run(stop) for w in workers))
+            # A task group: one worker failing cancels the others instead of leaving them
+            # serving in a process about to exit.
+            async with asyncio.TaskGroup() as group:
+                for worker in workers:
+                    group.create_task(worker.run(stop), name=f"worker-{worker.instance_id}")
         finally:
             await client.aclose()
 
-    return run_service(settings, "worker", main)
+    try:
+        return run_service(settings, "worker", main)
+    except BaseExceptionGroup as group:
+        failures, others = group.split(WorkerFailed)
+        if failures is None or others is not None:
+            raise
+        for failure in failures.exceptions:
+            log.error("worker_failed", error=str(failure))
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

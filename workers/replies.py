@@ -3,7 +3,22 @@
 Timings are measured on the wall clock from the request's ``submitted_at_s`` and
 divided by the engine's ``time_scale``, so that they are in model time (for a real
 engine, time_scale is 1). ``queue_wait_ms`` ends when the worker took the request from
-its queue; ``ttft_ms`` and ``e2e_ms`` end at the first and last token.
+its queue; ``ttft_ms`` and ``e2e_ms`` end at the first and last token (of this execution).
+
+Every chunk and final record goes through :mod:`blockq.output`, so a worker that no
+longer owns a request (it was placed again elsewhere) or writes after its final record
+is refused; the pipeline position each write returns lets the caller read that outcome.
+
+**Re-execution resumes from what was streamed.** A request may run more than once (its
+worker crashed, or was fenced off and the request placed again). Before the engine
+starts it, the worker reads the request's reply stream (:func:`resume_from`): the text
+and token count ``N`` already streamed and the next chunk index. The new execution does
+not re-emit its first ``N`` output tokens; its chunks continue the indices and token
+offsets, and its final text is the streamed text plus the text of its tokens after
+``N`` (only the streamed text if it stops within ``N`` tokens). So what a reader has
+streamed always equals the final text; for a deterministic engine (the emulated one) it
+also equals a clean run's text. An engine event that straddles token ``N`` (several
+tokens in one event) is emitted whole, its tokens counted only past ``N``.
 """
 
 from __future__ import annotations
@@ -12,12 +27,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockq.client import ReplyReader
 from blockq.config import Settings
-from blockq.keys import PAYLOAD_FIELD
+from blockq.output import queue_chunk, queue_final
 from blockq.protocol import Chunk, DoneRecord, FinalRecord, Request, encode
 from workers.engines.base import EngineStepOutput, TokenEvent
 
-DONE_STREAM_MAXLEN = 200_000
+
+@dataclass(frozen=True)
+class Answer:
+    """How a request is to be answered: the final record's status and reason."""
+
+    status: str
+    finish_reason: str
+    error: str | None = None
 
 
 @dataclass
@@ -37,17 +60,41 @@ class InFlight:
     text_parts: list[str] = field(default_factory=list)
     pending_parts: list[str] = field(default_factory=list)
     num_pending_tokens: int = 0
+    # Output tokens earlier executions streamed (not re-emitted), and tokens on the
+    # stream so far including them: the next chunk's offset.
+    num_resumed_tokens: int = 0
+    num_streamed_tokens: int = 0
+    # Set once the request's answer is decided; cleared never (the worker drops the
+    # flight once the final record's write is confirmed).
+    answer: Answer | None = None
+
+    @property
+    def num_answered_tokens(self) -> int:
+        """Output tokens the final record reports: streamed before plus this run's rest."""
+        return max(self.num_resumed_tokens, self.num_output_tokens)
 
     def add_tokens(self, event: TokenEvent, now_s: float) -> None:
         if self.first_token_at_s is None:
             self.first_token_at_s = now_s
         self.last_token_at_s = now_s
+        num_before = self.num_output_tokens
         self.num_output_tokens += event.num_new_tokens
-        self.num_pending_tokens += event.num_new_tokens
+        if self.num_output_tokens <= self.num_resumed_tokens:
+            return  # already streamed by an earlier execution
+        self.num_pending_tokens += self.num_output_tokens - max(num_before, self.num_resumed_tokens)
         self.pending_parts.append(event.text)
 
     def due_for_flush(self, now_s: float, interval_ms: float) -> bool:
         return bool(self.pending_parts) and (now_s - self.last_flush_at_s) * 1000 >= interval_ms
+
+
+def resume_from(flight: InFlight, reader: ReplyReader) -> None:
+    """Continue ``flight`` from what its reply stream already holds (``reader`` fed with
+    the whole stream): streamed text, token count and next chunk index."""
+    flight.text_parts = [reader.text] if reader.text else []
+    flight.num_resumed_tokens = reader.num_tokens_received
+    flight.num_streamed_tokens = reader.num_tokens_received
+    flight.next_chunk_index = reader.next_index
 
 
 def record_step_output(in_flight: dict[str, InFlight], output: EngineStepOutput,
@@ -67,40 +114,43 @@ def record_step_output(in_flight: dict[str, InFlight], output: EngineStepOutput,
 
 
 class ReplyWriter:
-    """Queues a request's chunks, final record and ``done`` entry on a pipeline."""
+    """Queues a request's chunks and final record (with its ``done`` entry) on a
+    pipeline, as ``instance_id``; each call returns the position of its write in the
+    pipeline, whose result is ``WRITTEN``, ``ALREADY_FINAL`` or ``FENCED``."""
 
     def __init__(self, settings: Settings, instance_id: str, time_scale: float) -> None:
         self.settings = settings
         self.instance_id = instance_id
         self.time_scale = time_scale
 
-    def flush(self, pipe: Any, flight: InFlight) -> None:
-        """Write the tokens produced since the last flush as one chunk."""
+    def flush(self, pipe: Any, flight: InFlight) -> int | None:
+        """Write the tokens produced since the last flush as one chunk (None: nothing to)."""
         if not flight.pending_parts:
-            return
+            return None
         text = "".join(flight.pending_parts)
-        chunk = Chunk(flight.request.id, flight.next_chunk_index, text, flight.num_pending_tokens)
-        pipe.xadd(flight.request.reply_stream, {PAYLOAD_FIELD: encode(chunk)})
-        pipe.expire(flight.request.reply_stream, self.settings.reply_ttl_s)
+        chunk = Chunk(flight.request.id, flight.next_chunk_index, text, flight.num_pending_tokens,
+                      flight.num_streamed_tokens)
+        queue_chunk(pipe, self.settings.keys, flight.request.id, flight.request.reply_stream, self.instance_id,
+                    encode(chunk), self.settings.reply_ttl_s)
         flight.text_parts.append(text)
+        flight.num_streamed_tokens += flight.num_pending_tokens
         flight.pending_parts = []
         flight.num_pending_tokens = 0
         flight.next_chunk_index += 1
         flight.last_flush_at_s = flight.last_token_at_s or flight.received_at_s
+        return len(pipe) - 1
 
-    def finish(self, pipe: Any, flight: InFlight, *, status: str, finish_reason: str,
-               error: str | None = None) -> FinalRecord:
-        """Write the final record and the ``done`` entry (the caller ACKs the queue entry)."""
+    def finish(self, pipe: Any, flight: InFlight, answer: Answer) -> int:
+        """Write the final record and the ``done`` entry (the caller ACKs the queue entry
+        once the write is confirmed)."""
         request = flight.request
-        final = final_record(flight, self.instance_id, self.time_scale, status=status,
-                             finish_reason=finish_reason, error=error)
-        pipe.xadd(request.reply_stream, {PAYLOAD_FIELD: encode(final)})
-        pipe.expire(request.reply_stream, self.settings.reply_ttl_s)
+        final = final_record(flight, self.instance_id, self.time_scale, status=answer.status,
+                             finish_reason=answer.finish_reason, error=answer.error)
         prediction = request.prediction
         assignment = request.assignment
         done = DoneRecord(
-            request_id=request.id, instance=self.instance_id, status=status,
-            prompt_tokens=flight.prompt_tokens, output_tokens=flight.num_output_tokens,
+            request_id=request.id, instance=self.instance_id, status=answer.status,
+            prompt_tokens=flight.prompt_tokens, output_tokens=flight.num_answered_tokens,
             predicted_output_tokens=final.predicted_output_tokens,
             predictor_version=prediction.predictor_version if prediction else None,
             policy=assignment.policy if assignment else None,
@@ -109,9 +159,9 @@ class ReplyWriter:
             predicted_ttft_ms=final.predicted_ttft_ms, predicted_e2e_ms=final.predicted_e2e_ms,
             num_preemptions=flight.num_preemptions, tenant=request.tenant, priority=request.priority,
             queue_wait_ms=final.queue_wait_ms, ttft_ms=final.ttft_ms, tpot_ms=final.tpot_ms, e2e_ms=final.e2e_ms)
-        pipe.xadd(self.settings.keys.done, {PAYLOAD_FIELD: encode(done)}, maxlen=DONE_STREAM_MAXLEN,
-                  approximate=True)
-        return final
+        queue_final(pipe, self.settings.keys, request.id, request.reply_stream, self.instance_id, encode(final),
+                    encode(done), self.settings.reply_ttl_s)
+        return len(pipe) - 1
 
 
 def final_record(flight: InFlight, instance_id: str, time_scale: float, *, status: str, finish_reason: str,
@@ -122,7 +172,7 @@ def final_record(flight: InFlight, instance_id: str, time_scale: float, *, statu
     assignment = request.assignment
     return FinalRecord(
         request_id=request.id, index=flight.next_chunk_index, status=status,
-        text="".join(flight.text_parts), output_tokens=flight.num_output_tokens,
+        text="".join(flight.text_parts), output_tokens=flight.num_answered_tokens,
         prompt_tokens=flight.prompt_tokens, instance=instance_id, finish_reason=finish_reason,
         num_preemptions=flight.num_preemptions,
         predicted_output_tokens=prediction.predicted_output_tokens if prediction else None,

@@ -1,6 +1,10 @@
 """Batch jobs from the submitting side: enqueue, inspect, cancel. Jobs are rq jobs on the
 queue :attr:`BatchKeys.queue_name` of the cluster's Redis; their status names are rq's
 (``queued``, ``started``, ``finished``, ``failed``, ``stopped``, ``canceled``, ...).
+
+Jobs are stored with rq's JSON serializer, never pickle: a worker that unpickled job data
+would run code for anyone able to write to the Redis. Job arguments, meta and results are
+plain JSON maps.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import redis
 from rq import Queue
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
 
 from blockq.batch.keys import BatchKeys
 from blockq.batch.lines import count_lines
@@ -24,6 +29,7 @@ JOB_FUNCTION = "blockq.batch.runner.execute_batch_job"
 DEFAULT_JOB_TIMEOUT_S = 7 * 24 * 3600
 WAITING_STATUSES = (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED)
 ENDED_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
+JOB_SERIALIZER = JSONSerializer
 
 
 class BatchJobNotFound(LookupError):
@@ -31,7 +37,7 @@ class BatchJobNotFound(LookupError):
 
 
 def batch_queue(connection: redis.Redis, settings: Settings) -> Queue:
-    return Queue(BatchKeys(settings.key_prefix).queue_name, connection=connection)
+    return Queue(BatchKeys(settings.key_prefix).queue_name, connection=connection, serializer=JOB_SERIALIZER)
 
 
 def default_errors_path(output_path: Path) -> Path:
@@ -60,7 +66,7 @@ def submit_batch(connection: redis.Redis, settings: Settings, options: BatchOpti
 
 def fetch_batch_job(connection: redis.Redis, settings: Settings, job_id: str) -> Job:
     try:
-        job = Job.fetch(job_id, connection=connection)
+        job = Job.fetch(job_id, connection=connection, serializer=JOB_SERIALIZER)
     except NoSuchJobError:
         raise BatchJobNotFound(f"no batch job {job_id!r}") from None
     if job.origin != BatchKeys(settings.key_prefix).queue_name:

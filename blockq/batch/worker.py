@@ -10,6 +10,8 @@ that make batch jobs survive their workers:
   word), after at most ``BLOCKQ_BATCH_LEASE_S`` (+ half of it for the scan).
 
 A job that ended with ``job.meta["canceled"]`` is moved to rq's ``canceled`` status.
+Jobs are read with rq's JSON serializer (:data:`blockq.batch.jobs.JOB_SERIALIZER`), so job
+data written by anyone cannot make this worker unpickle, and so run, arbitrary code.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.worker import WorkerStatus
 
+from blockq.batch.jobs import JOB_SERIALIZER
 from blockq.batch.keys import BatchKeys
 from blockq.batch.runner import lease_s_from_env
 from blockq.config import Settings
@@ -103,7 +106,7 @@ class AbandonedJobRecovery:
     def __init__(self, connection: redis.Redis, settings: Settings, lease_s: float) -> None:
         self.connection = connection
         self.keys = BatchKeys(settings.key_prefix)
-        self.queue = Queue(self.keys.queue_name, connection=connection)
+        self.queue = Queue(self.keys.queue_name, connection=connection, serializer=JOB_SERIALIZER)
         self.registry = StartedJobRegistry(queue=self.queue)
         self.lease_s = lease_s
         self._stop = threading.Event()
@@ -116,7 +119,7 @@ class AbandonedJobRecovery:
             if self.connection.exists(self.keys.lease(job_id)):
                 continue
             try:
-                job = Job.fetch(job_id, connection=self.connection)
+                job = Job.fetch(job_id, connection=self.connection, serializer=JOB_SERIALIZER)
             except NoSuchJobError:
                 continue
             if job.get_status(refresh=False) != JobStatus.STARTED or not self._is_past_grace(job, execution_id):
@@ -161,8 +164,8 @@ def run_worker(settings: Settings, *, burst: bool = False, name: str | None = No
     recovery.scan_once()
     recovery.start()
     keys = BatchKeys(settings.key_prefix)
-    queue = Queue(keys.queue_name, connection=connection)
-    worker = BatchWorker([queue], connection=connection, name=name, batch_keys=keys)
+    queue = Queue(keys.queue_name, connection=connection, serializer=JOB_SERIALIZER)
+    worker = BatchWorker([queue], connection=connection, name=name, batch_keys=keys, serializer=JOB_SERIALIZER)
     log.info("batch_worker_started", queue=queue.name, worker=worker.name, pid=os.getpid())
     try:
         worker.work(burst=burst, logging_level=settings.log_level.upper())

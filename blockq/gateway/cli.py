@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=None, help="request body limit, bytes")
     parser.add_argument("--max-json-depth", type=int, default=None, help="JSON nesting limit")
     parser.add_argument("--max-in-flight", type=int, default=None, help="concurrent requests before 429")
+    parser.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                        help="serve without API keys on a non-loopback host (refused otherwise)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key_to_tenant=keys or None,
         model_names=tuple(args.model_names) if args.model_names else None, chat_template=args.chat_template,
         request_timeout_s=args.request_timeout_s, max_body_bytes=args.max_body_bytes,
-        max_json_depth=args.max_json_depth, max_in_flight=args.max_in_flight)
+        max_json_depth=args.max_json_depth, max_in_flight=args.max_in_flight,
+        allow_unauthenticated=args.allow_unauthenticated)
     return run_service(settings, "gateway", lambda stop: serve(config, settings, stop))
 
 

@@ -13,11 +13,17 @@ overridden by ``blockq gateway`` flags.
 ``BLOCKQ_GATEWAY_MAX_BODY_BYTES``       request body limit (default 4 MiB)
 ``BLOCKQ_GATEWAY_MAX_JSON_DEPTH``       JSON nesting limit (default 32)
 ``BLOCKQ_GATEWAY_MAX_IN_FLIGHT``        concurrent generation requests before 429 (default 512)
+``BLOCKQ_GATEWAY_ALLOW_UNAUTHENTICATED``  ``1``: allow a non-loopback host without API keys
 =====================================  ========================================================
+
+A host other than a loopback address (``127.0.0.0/8``, ``::1``, ``localhost``) with no API
+key is refused unless ``allow_unauthenticated`` is set (``--allow-unauthenticated``):
+an open gateway on a network lets anyone spend the fleet.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +48,7 @@ class GatewayConfig:
     max_in_flight: int = 512
     shutdown_timeout_s: float = 10.0
     defaults: RequestDefaults = field(default_factory=RequestDefaults)
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -56,10 +63,25 @@ class GatewayConfig:
         for key, tenant in self.api_key_to_tenant.items():
             if not key or any(c.isspace() for c in key) or not tenant:
                 raise ConfigError("gateway api keys: keys must be non-empty without whitespace, tenants non-empty")
+        if not self.auth_required and not self.allow_unauthenticated and not is_loopback_host(self.host):
+            raise ConfigError(f"gateway host: {self.host!r} is reachable from other machines and no API key is set; "
+                              "set API keys (--api-key, --api-keys-file, BLOCKQ_GATEWAY_API_KEYS) or pass "
+                              "--allow-unauthenticated (BLOCKQ_GATEWAY_ALLOW_UNAUTHENTICATED=1) to serve anyone")
 
     @property
     def auth_required(self) -> bool:
         return bool(self.api_key_to_tenant)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for an address only this machine can reach; any other name counts as public
+    (it may resolve to anything, and ``""`` means every interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_api_keys(text: str, separators: str = ",\n") -> dict[str, str]:
@@ -110,6 +132,7 @@ def gateway_config_from_env(env: Mapping[str, str] | None = None, **overrides: o
         "max_json_depth": number("MAX_JSON_DEPTH", int), "max_in_flight": number("MAX_IN_FLIGHT", int),
         "model_names": tuple(n.strip() for n in (get("MODEL_NAMES") or "").split(",") if n.strip()) or None,
         "api_key_to_tenant": keys or None,
+        "allow_unauthenticated": (get("ALLOW_UNAUTHENTICATED") or "").lower() in ("1", "true", "yes") or None,
     }
     extra_keys = overrides.pop("api_key_to_tenant", None)
     if extra_keys:

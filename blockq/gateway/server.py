@@ -31,7 +31,7 @@ from aiohttp import web
 from blockq.client import AsyncClient, Overloaded
 from blockq.config import Settings
 from blockq.gateway.chat_template import load_chat_template
-from blockq.gateway.config import GatewayConfig
+from blockq.gateway.config import GatewayConfig, is_loopback_host
 from blockq.gateway.errors import GatewayError
 from blockq.gateway.generation import GenerationCall
 from blockq.gateway.metrics import GatewayMetrics
@@ -263,6 +263,9 @@ async def serve(config: GatewayConfig, settings: Settings, stop: asyncio.Event) 
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     await site.start()
+    if not config.auth_required and not is_loopback_host(config.host):
+        # Allowed only by an explicit --allow-unauthenticated (GatewayConfig refuses otherwise).
+        log.warning("gateway_unauthenticated", host=config.host, reason="allow_unauthenticated is set")
     log.info("gateway_listening", url=f"http://{config.host}:{config.port}", auth=config.auth_required,
              models=list(config.model_names))
     try:
