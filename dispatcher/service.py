@@ -18,7 +18,7 @@ Crashes and pauses:
   dead instance had already taken can be moved too: if its executor was only paused, its
   writes are refused when it resumes.
 * **Fenced writes.** Every write of a leader is a MULTI/EXEC under WATCH of the lease key
-  whose value is checked first (:meth:`Dispatcher.write_fenced`): a leader paused past its
+  whose value is checked first (:meth:`dispatcher.lease.Lease.write_fenced`): a leader paused past its
   lease writes nothing when it resumes, drops what it held in memory (still pending in
   ``ready`` for the next leader) and goes back to standby. The lease value is new for
   each term, and it is released by compare-and-delete.
@@ -35,13 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import secrets
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis
 import redis.asyncio as aioredis
 import structlog
 
@@ -54,37 +52,11 @@ from blockq.protocol import Request, ValidationError, decode_heartbeat, decode_r
 from blockq.streams import GroupConsumer, StreamEntry
 from dispatcher.cluster_view import ClusterView
 from dispatcher.core import DispatcherCore, Held, Placed
+from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
 
 log = structlog.get_logger(__name__)
 
 GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections (CPython's default: 700)
-
-# Lease renewal: extend only while we still hold it.
-_RENEW_LEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-# Lease release: delete only our own term's lease (a GET then DEL could delete a successor's).
-_RELEASE_LEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-# Errors of an unreachable Redis: the leader backs off and retries instead of exiting.
-REDIS_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
-
-Pipeline = aioredis.client.Pipeline
-
-
-class LeaseLost(Exception):
-    """This dispatcher's term is over (another holds the lease, or it expired); the write
-    that found out wrote nothing."""
-
 
 @dataclass(frozen=True)
 class DispatcherOptions:
@@ -101,7 +73,7 @@ class Dispatcher:
     def __init__(self, client: aioredis.Redis, settings: Settings, core: DispatcherCore, *,
                  dispatcher_id: str, options: DispatcherOptions | None = None,
                  clock: Callable[[], float] = time.time,
-                 token_factory: Callable[[], str] = lambda: secrets.token_hex(6)) -> None:
+                 token_factory: Callable[[], str] | None = None) -> None:
         """``clock``: wall seconds, read once per batch of beats and once per batch of
         requests; the core decides with what it says. ``dispatcher_id``: the consumer
         name in ``dispatch`` (keep it across restarts). ``token_factory``: the random part
@@ -114,11 +86,8 @@ class Dispatcher:
         self.options = options or DispatcherOptions()
         self.keys = settings.keys
         self.consumer = self._new_consumer()
-        self.token_factory = token_factory
-        # The lease value of the current term; None: not leading.
-        self.lease_token: str | None = None
-        # Set by the first term: from then on every write checks the lease.
-        self._fences_writes = False
+        self.lease = Lease(client, self.keys.dispatcher_lease, dispatcher_id, self.options.lease_ms,
+                           token_factory=token_factory)
         # Beats may have gone unread (new term, failed reads): the next read starts a grace.
         self._beats_unheard = False
         self._beats_read_at_s = float("-inf")
@@ -129,8 +98,6 @@ class Dispatcher:
         self._last_beat_id = "0-0"
         self._queues_to_redispatch: set[str] = set()
         self._last_num_placed = 0
-        self._renew_lease = client.register_script(_RENEW_LEASE)
-        self._release_lease = client.register_script(_RELEASE_LEASE)
         self.num_placed = 0
 
     def _new_consumer(self) -> GroupConsumer:
@@ -150,44 +117,30 @@ class Dispatcher:
 
     # --- leadership ---------------------------------------------------------------------
 
+    @property
+    def lease_token(self) -> str | None:
+        """The lease value of the current term; None: not leading."""
+        return self.lease.token
+
     async def acquire_lease(self, stop: asyncio.Event) -> bool:
-        """Wait until this dispatcher holds the leader lease (or ``stop``), then start a
-        term. The lease value, ``{dispatcher_id}:{token}``, is new for each term, so two
-        dispatchers under one consumer name never take each other's lease for their own."""
-        token = f"{self.dispatcher_id}:{self.token_factory()}"
-        while not stop.is_set():
-            try:
-                if await self.client.set(self.keys.dispatcher_lease, token, nx=True, px=self.options.lease_ms):
-                    self._begin_term(token)
-                    return True
-            except REDIS_UNAVAILABLE as exc:
-                log.warning("dispatcher_redis_unavailable", error=str(exc))
-            await asyncio.sleep(self.options.lease_ms / 3000)
-        return False
+        """Wait until this dispatcher holds the leader lease (or ``stop``), then start a term."""
+        if not await self.lease.acquire(stop):
+            return False
+        self._begin_term()
+        return True
 
     async def renew_lease(self) -> bool:
-        """Extend this term's lease; False when it is no longer ours (or there is no term)."""
-        if self.lease_token is None:
-            return False
-        return bool(await self._renew_lease(keys=[self.keys.dispatcher_lease],
-                                            args=[self.lease_token, self.options.lease_ms]))
+        return await self.lease.renew()
 
     async def release_lease(self) -> bool:
-        """End the term: delete the lease if it is still this term's (compare-and-delete in
-        one script). Returns whether a lease was deleted."""
-        token, self.lease_token = self.lease_token, None
-        if token is None:
-            return False
-        return bool(await self._release_lease(keys=[self.keys.dispatcher_lease], args=[token]))
+        return await self.lease.release()
 
-    def _begin_term(self, token: str) -> None:
+    def _begin_term(self) -> None:
         """A new term starts from what Redis holds, not from what this dispatcher knew when
         it last led: a fresh view rebuilt from the whole beat history (dated by age, with
         a grace), and this name's pending entries read first."""
-        self.lease_token = token
-        self._fences_writes = True
         self._reset_after_interruption()
-        log.info("dispatcher_leader", dispatcher_id=self.dispatcher_id, lease=token)
+        log.info("dispatcher_leader", dispatcher_id=self.dispatcher_id, lease=self.lease.token)
 
     def _reset_after_interruption(self) -> None:
         """Forget the batch in hand (its entries stay pending in ``ready`` under this
@@ -204,7 +157,7 @@ class Dispatcher:
     def _step_down(self, reason: str) -> None:
         log.warning("dispatcher_lost_lease", dispatcher_id=self.dispatcher_id, reason=reason,
                     num_dropped=len(self.unplaced))
-        self.lease_token = None
+        self.lease.token = None
         self._reset_after_interruption()
 
     # --- main loop ----------------------------------------------------------------------
@@ -306,7 +259,7 @@ class Dispatcher:
 
     async def place_batch(self, entries: list[StreamEntry]) -> int:
         """Place retried and new requests in order; all writes in one fenced transaction
-        (:meth:`write_fenced`). Held requests stay in memory, pending in ``ready``."""
+        (:meth:`Lease.write_fenced`). Held requests stay in memory, pending in ``ready``."""
         dead: list[tuple[StreamEntry, str]] = []
         for entry in entries:
             if entry.entry_id in self._unplaced_ids:
@@ -330,7 +283,7 @@ class Dispatcher:
             else:
                 dead.append((entry, outcome.reason))
         if placed or dead:
-            await self.write_fenced(lambda pipe: self._queue_batch_writes(pipe, placed, dead))
+            await self.lease.write_fenced(lambda pipe: self._queue_batch_writes(pipe, placed, dead))
         for entry, _ in [*placed, *dead]:
             self._unplaced_ids.discard(entry.entry_id)
         self._last_num_placed = len(placed)
@@ -350,37 +303,6 @@ class Dispatcher:
         instance_id = request.assignment.instance_id  # type: ignore[union-attr]
         set_owner(pipe, self.keys, request.id, instance_id, self.settings.reply_ttl_s)
         pipe.xadd(self.keys.instance_queue(instance_id), {PAYLOAD_FIELD: encode(request)})
-
-    async def write_fenced(self, queue_writes: Callable[[Pipeline], None]) -> None:
-        """Apply the writes ``queue_writes`` queues on a pipeline as one MULTI/EXEC that
-        Redis runs only while this term holds the lease: WATCH on the lease key, its value
-        checked, then the transaction (EXEC fails if the lease changed or expired since).
-        Raises :class:`LeaseLost` when the term is over; nothing was written then.
-
-        A dispatcher that never took the lease (driven through :meth:`step` directly, as
-        benchmarks and differential tests do) writes the same commands in one plain
-        pipeline. Redis Cluster: one transaction's keys must share a slot, and ``ready``,
-        instance queues and owner keys do not; this fencing needs a standalone Redis (or
-        Sentinel), or a cell whose keys are all under one hash tag."""
-        if not self._fences_writes:
-            pipe = self.client.pipeline(transaction=False)
-            queue_writes(pipe)
-            await pipe.execute()
-            return
-        if self.lease_token is None:
-            raise LeaseLost("not leading")
-        lease_key = self.keys.dispatcher_lease
-        async with self.client.pipeline(transaction=True) as pipe:
-            await pipe.watch(lease_key)
-            holder = await pipe.get(lease_key)
-            if holder != self.lease_token.encode():
-                raise LeaseLost(f"the lease is held by {holder!r}")
-            pipe.multi()
-            queue_writes(pipe)
-            try:
-                await pipe.execute()
-            except redis.WatchError as exc:
-                raise LeaseLost("the lease changed during the write") from exc
 
     async def redispatch_queue(self, instance_id: str) -> int | None:
         """Move every entry left in a dead or stopped instance's queue, unread or taken
@@ -408,7 +330,7 @@ class Dispatcher:
         returned = [(entry_id, o.request) for (entry_id, _), o in zip(decoded, outcomes, strict=True)
                     if isinstance(o, Held)]
         if moved or returned:
-            await self.write_fenced(lambda pipe: self._queue_moves(pipe, queue, moved, returned))
+            await self.lease.write_fenced(lambda pipe: self._queue_moves(pipe, queue, moved, returned))
         log.warning("instance_queue_replaced", instance=instance_id,
                     moved=len(moved), returned_to_ready=len(returned))
         return len(moved)

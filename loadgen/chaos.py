@@ -174,7 +174,9 @@ async def _drive(cluster: ChaosCluster, scenario: Scenario, options: ChaosOption
     stop_sampling = asyncio.Event()
     sampler = asyncio.create_task(_sample_backlog(state.redis_url, stop_sampling, backlog))
     notes: dict[str, Any] = {}
-    async with AsyncClient(settings=Settings(redis_url=state.redis_url)) as client:
+    # The backlog limit is checked by the admission script with the submitter's setting.
+    limit = {} if options.max_backlog is None else {"max_ingress_backlog": options.max_backlog}
+    async with AsyncClient(settings=Settings(redis_url=state.redis_url, **limit)) as client:
         started_s = time.monotonic()
 
         async def fault() -> None:

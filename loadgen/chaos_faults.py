@@ -188,5 +188,6 @@ SCENARIOS = {s.name: s for s in [
     Scenario("redis_killed", kill_redis),
     Scenario("malformed_flood", flood_malformed),
     Scenario("worker_paused", pause_worker),
-    Scenario("overload", no_fault, options={"requests": 400, "rate_per_s": 20.0, "max_backlog": 60}),
+    # Far past what 2 instances serve: the excess must be refused, not queued.
+    Scenario("overload", no_fault, options={"requests": 600, "rate_per_s": 40.0, "max_backlog": 60}),
 ]}
