@@ -12,6 +12,8 @@ each token's text is yielded exactly once, in order, and equals the final record
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
@@ -24,6 +26,11 @@ import redis.asyncio as aioredis
 from blockq.config import ConfigError, Settings
 from blockq.keys import PAYLOAD_FIELD
 from blockq.protocol import Chunk, FinalRecord, Request, decode_reply_entry, encode
+
+# A reader outlives a Redis restart: it retries its read (from the last entry it saw)
+# after this pause, until its timeout.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+RECONNECT_PAUSE_S = 0.2
 
 # Admits a batch of requests, all or none.
 # KEYS: ingress stream, ready stream, instances hash, then one `submitted:{id}` key per request.
@@ -258,11 +265,17 @@ class Handle:
         deadline = _deadline(timeout_s)
         stream_key = self.request.reply_stream
         while self._reader.final is None:
-            reply = self.client.redis.xread({stream_key: self._reader.last_entry_id}, count=256,
-                                            block=_block_ms(deadline))
+            block_ms = _block_ms(deadline)
+            try:
+                reply = self.client.redis.xread({stream_key: self._reader.last_entry_id}, count=256,
+                                                block=block_ms)
+            except REDIS_DOWN:
+                time.sleep(min(RECONNECT_PAUSE_S, block_ms / 1000))  # redis-py reconnects on the next call
+                continue
             if reply:
                 yield from self._reader.feed(reply[0][1])
-        self.client.redis.expire(stream_key, self.client.settings.reply_read_ttl_s)
+        with contextlib.suppress(*REDIS_DOWN):
+            self.client.redis.expire(stream_key, self.client.settings.reply_read_ttl_s)
 
     def result(self, timeout_s: float | None = 300.0) -> FinalRecord:
         """Block until the final record (raises TimeoutError after ``timeout_s``)."""
@@ -331,12 +344,18 @@ class AsyncHandle:
         deadline = _deadline(timeout_s)
         stream_key = self.request.reply_stream
         while self._reader.final is None:
-            reply = await self.client.redis.xread({stream_key: self._reader.last_entry_id}, count=256,
-                                                  block=_block_ms(deadline))
+            block_ms = _block_ms(deadline)
+            try:
+                reply = await self.client.redis.xread({stream_key: self._reader.last_entry_id}, count=256,
+                                                      block=block_ms)
+            except REDIS_DOWN:
+                await asyncio.sleep(min(RECONNECT_PAUSE_S, block_ms / 1000))
+                continue
             if reply:
                 for chunk in self._reader.feed(reply[0][1]):
                     yield chunk
-        await self.client.redis.expire(stream_key, self.client.settings.reply_read_ttl_s)
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.client.redis.expire(stream_key, self.client.settings.reply_read_ttl_s)
 
     async def result(self, timeout_s: float | None = 300.0) -> FinalRecord:
         async for _ in self.stream(timeout_s):

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import redis
 
 from blockq import AsyncClient, Client, Overloaded, SubmitSpec
 from blockq.config import Settings
+from blockq.embedded_redis import start_embedded_redis
 from blockq.keys import PAYLOAD_FIELD
 from blockq.protocol import Chunk, FinalRecord, decode_request, encode
 
@@ -131,3 +135,33 @@ def test_chunk_offset_round_trips_and_old_chunks_decode() -> None:
     old = {k: v for k, v in unpack_map(encode(Chunk("r", 2, "x", 1))).items()}
     assert "offset_tokens" not in old
     assert decode_reply_entry(encode(old)).offset_tokens is None
+
+
+def test_a_reader_outlives_a_redis_restart(tmp_path: Path) -> None:
+    """A handle reading when its Redis dies and comes back (same port, data) carries on
+    from the last entry it saw: each chunk once, then the final record."""
+    server = start_embedded_redis(tmp_path / "redis")
+    client = Client(settings=Settings(redis_url=server.url))
+    try:
+        handle = client.submit("hello", max_tokens=4)
+        reply_stream = handle.request.reply_stream
+        client.redis.xadd(reply_stream, {PAYLOAD_FIELD: encode(Chunk(handle.id, 0, "one ", 1, offset_tokens=0))})
+        time.sleep(1.2)  # past the AOF's once-a-second fsync: the chunk survives the crash
+        seen: list[str] = []
+        reader = threading.Thread(target=lambda: seen.extend(c.text for c in handle.stream(timeout_s=30)))
+        reader.start()
+        server.process.kill()
+        server.process.wait()
+        server = start_embedded_redis(tmp_path / "redis", port=server.port)
+        writer = redis.Redis.from_url(server.url)
+        writer.xadd(reply_stream, {PAYLOAD_FIELD: encode(Chunk(handle.id, 1, "two", 1, offset_tokens=1))})
+        final = FinalRecord(handle.id, 2, "ok", "one two", 2, 1, "inst-0", "stop")
+        writer.xadd(reply_stream, {PAYLOAD_FIELD: encode(final)})
+        reader.join(timeout=30)
+        assert not reader.is_alive()
+        assert seen == ["one ", "two"]
+        assert handle.result(timeout_s=1).text == "one two"
+        writer.close()
+    finally:
+        client.close()
+        server.stop()

@@ -148,7 +148,7 @@ async def fake_worker(settings: Settings, stop: asyncio.Event) -> None:
 
 @pytest.fixture
 def settings(settings: Settings) -> Settings:
-    """The session settings with a small ingress backlog, so that 429 is quick to provoke."""
+    """The session settings with a small backlog limit, so that 429 is quick to provoke."""
     return dataclasses.replace(settings, max_ingress_backlog=20)
 
 
