@@ -249,3 +249,26 @@ async def test_poison_request_is_answered_and_others_served(settings: Settings, 
     assert len(bad[0].error or "") <= 500
     assert all(len(v) == 1 and v[0].status == "ok" for v in statuses.values())
     assert sync_redis.xlen(settings.keys.instance_queue("p")) == 0  # every entry ACKed
+
+
+async def test_chunks_refused_by_redis_are_sent_again(settings: Settings, sync_redis: redis.Redis) -> None:
+    """Writes refused for a while (Redis at maxmemory) leave no hole in the stream: the
+    refused chunks go out again, first, with the next write, so the streamed text still
+    equals the final text."""
+    request = enqueue(sync_redis, settings, "m", output_tokens=300)
+    run = Running(settings, "m")
+    await eventually(lambda: streamed_tokens(sync_redis, settings, request.id) > 20)
+    limit = sync_redis.config_get("maxmemory")["maxmemory"]
+    num_entries = sync_redis.xlen(settings.keys.reply(request.id))
+    sync_redis.config_set("maxmemory", 1)
+    try:
+        await asyncio.sleep(0.3)  # steps go on; their chunks are refused (OOM)
+        assert sync_redis.xlen(settings.keys.reply(request.id)) == num_entries
+        assert streamed_tokens(sync_redis, settings, request.id) < 300
+    finally:
+        sync_redis.config_set("maxmemory", limit)
+    await eventually(lambda: read_reply(sync_redis, settings, request.id)[1])
+    await run.finish()
+    reader, records = read_reply(sync_redis, settings, request.id)
+    assert len(records) == 1 and records[0].status == "ok"
+    assert reader.text == records[0].text == clean_text(300)

@@ -67,6 +67,9 @@ class InFlight:
     # Set once the request's answer is decided; cleared never (the worker drops the
     # flight once the final record's write is confirmed).
     answer: Answer | None = None
+    # Encoded chunks whose write failed (Redis unreachable): sent again, first, with the
+    # next write, so that the stream never has a hole (readers skip what they have).
+    unsent_chunks: list[bytes] = field(default_factory=list)
 
     @property
     def num_answered_tokens(self) -> int:
@@ -123,22 +126,29 @@ class ReplyWriter:
         self.instance_id = instance_id
         self.time_scale = time_scale
 
-    def flush(self, pipe: Any, flight: InFlight) -> int | None:
-        """Write the tokens produced since the last flush as one chunk (None: nothing to)."""
+    def flush(self, pipe: Any, flight: InFlight) -> list[tuple[int, bytes]]:
+        """Write the chunks whose earlier write failed, then the tokens produced since the
+        last flush as one chunk; returns each write's (pipeline position, payload)."""
+        writes = [self._queue_chunk(pipe, flight, payload) for payload in flight.unsent_chunks]
+        flight.unsent_chunks = []
         if not flight.pending_parts:
-            return None
+            return writes
         text = "".join(flight.pending_parts)
         chunk = Chunk(flight.request.id, flight.next_chunk_index, text, flight.num_pending_tokens,
                       flight.num_streamed_tokens)
-        queue_chunk(pipe, self.settings.keys, flight.request.id, flight.request.reply_stream, self.instance_id,
-                    encode(chunk), self.settings.reply_ttl_s)
+        writes.append(self._queue_chunk(pipe, flight, encode(chunk)))
         flight.text_parts.append(text)
         flight.num_streamed_tokens += flight.num_pending_tokens
         flight.pending_parts = []
         flight.num_pending_tokens = 0
         flight.next_chunk_index += 1
         flight.last_flush_at_s = flight.last_token_at_s or flight.received_at_s
-        return len(pipe) - 1
+        return writes
+
+    def _queue_chunk(self, pipe: Any, flight: InFlight, payload: bytes) -> tuple[int, bytes]:
+        queue_chunk(pipe, self.settings.keys, flight.request.id, flight.request.reply_stream, self.instance_id,
+                    payload, self.settings.reply_ttl_s)
+        return len(pipe) - 1, payload
 
     def finish(self, pipe: Any, flight: InFlight, answer: Answer) -> int:
         """Write the final record and the ``done`` entry (the caller ACKs the queue entry

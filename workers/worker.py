@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 import structlog
 
@@ -62,11 +63,13 @@ class WorkerFailed(Exception):
 
 @dataclass(frozen=True)
 class _Write:
-    """An output script queued on a pipeline: its position there and its request."""
+    """An output script queued on a pipeline: its position there, its request, and for a
+    chunk its payload (sent again if the write fails)."""
 
     position: int
     flight: InFlight
     is_final: bool
+    chunk: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -344,14 +347,13 @@ class InstanceWorker:
 
     def _queue_flush(self, pipe: Any, flight: InFlight, writes: list[_Write]) -> None:
         try:
-            position = self.replies.flush(pipe, flight)
+            chunks = self.replies.flush(pipe, flight)
         except Exception as exc:
             log.exception("flush_failed", instance=self.instance_id, request_id=flight.request.id)
             self._answer_failure(StreamEntry(flight.entry_id, None), flight.request, time.time(),
                                  f"writing output failed: {exc!r}")
             return
-        if position is not None:
-            writes.append(_Write(position, flight, is_final=False))
+        writes.extend(_Write(position, flight, False, payload) for position, payload in chunks)
 
     def _queue_answer(self, pipe: Any, flight: InFlight, writes: list[_Write]) -> None:
         """Queue the rest of ``flight``'s output and its final record; when that raises,
@@ -359,7 +361,8 @@ class InstanceWorker:
         if flight.answer is None:
             return
         try:
-            self.replies.flush(pipe, flight)
+            chunks = self.replies.flush(pipe, flight)
+            writes.extend(_Write(position, flight, False, payload) for position, payload in chunks)
             writes.append(_Write(self.replies.finish(pipe, flight, flight.answer), flight, is_final=True))
             return
         except Exception as exc:
@@ -387,6 +390,8 @@ class InstanceWorker:
             if isinstance(result, Exception):
                 log.error("output_write_failed", instance=self.instance_id, request_id=request_id,
                           final=write.is_final, error=repr(result))
+                if write.chunk is not None:
+                    write.flight.unsent_chunks.append(write.chunk)  # in pipeline order
             elif result == FENCED:
                 done[request_id] = (write.flight, "fenced")
             elif result == ALREADY_FINAL:
@@ -450,7 +455,12 @@ class InstanceWorker:
     async def _heartbeat_loop(self) -> None:
         interval_s = self.settings.heartbeat_interval_ms / 1000
         while not self._stopping:
-            await self.publish_heartbeat("draining" if self.draining else "live")
+            try:
+                await self.publish_heartbeat("draining" if self.draining else "live")
+            except redis.ResponseError as exc:
+                # Redis refused the write (e.g. maxmemory reached) but is there: beat again
+                # next time. Lost connections still end the loop, and the worker with it.
+                log.warning("heartbeat_refused", instance=self.instance_id, error=str(exc)[:200])
             await asyncio.sleep(interval_s)
 
     async def publish_heartbeat(self, state: str) -> None:
