@@ -47,8 +47,9 @@ from blockq.keys import GROUP_WORK, PAYLOAD_FIELD
 from blockq.output import ALREADY_FINAL, FENCED, WRITTEN
 from blockq.protocol import Request, ValidationError, decode_request, encode
 from blockq.streams import GroupConsumer, StreamEntry
-from workers.engines.base import Engine, EngineRequestSpec, EngineStepOutput
+from workers.engines.base import Engine, EngineStepOutput
 from workers.heartbeat import HeartbeatBuilder
+from workers.intake import WorkerOptions, bundle_room, engine_spec
 from workers.replies import Answer, InFlight, ReplyWriter, record_step_output, resume_from
 
 log = structlog.get_logger(__name__)
@@ -70,19 +71,6 @@ class _Write:
     flight: InFlight
     is_final: bool
     chunk: bytes | None = None
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    bundle_size: int = 16
-    stream_interval_ms: float = 50.0
-    idle_poll_ms: int = 50
-
-    def __post_init__(self) -> None:
-        if self.bundle_size < 1:
-            raise ValueError(f"bundle_size: must be >= 1 (got {self.bundle_size})")
-        if self.stream_interval_ms < 0:
-            raise ValueError(f"stream_interval_ms: must be >= 0 (got {self.stream_interval_ms})")
 
 
 @dataclass
@@ -470,26 +458,3 @@ class InstanceWorker:
         pipe.xadd(self.keys.heartbeats, {PAYLOAD_FIELD: payload}, maxlen=20_000, approximate=True)
         pipe.hset(self.keys.instances, self.instance_id, payload)
         await pipe.execute()
-
-
-def bundle_room(options: WorkerOptions, engine: Engine, max_in_flight: int, num_in_flight: int) -> int:
-    """How many queue entries the intake may read now: at most a bundle, only what the
-    engine can admit soon, and never more in flight than one engine's worth (<= 0: none)."""
-    return min(options.bundle_size, engine.num_admittable(), max_in_flight - num_in_flight)
-
-
-def engine_spec(request: Request) -> EngineRequestSpec:
-    """``request`` as the engine is handed it."""
-    prediction = request.prediction
-    if prediction is not None:
-        prompt_tokens = prediction.prompt_tokens
-    elif isinstance(request.prompt, str):
-        prompt_tokens = max(1, len(request.prompt) // 4)  # no predictor ran: a rough count
-    else:
-        prompt_tokens = len(request.prompt)
-    return EngineRequestSpec(
-        request_id=request.id, prompt=request.prompt, prompt_tokens=prompt_tokens,
-        max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-        stop=request.stop, true_output_tokens=request.true_output_tokens,
-        predicted_output_tokens=prediction.predicted_output_tokens if prediction else None,
-        p90_tokens=prediction.p90_tokens if prediction else None)

@@ -29,7 +29,7 @@ from loadgen.metrics import KvSample
 from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.instance import SimulatedInstance
 from workers.engines.emulated import EmulatedEngineOptions
-from workers.worker import WorkerOptions
+from workers.intake import WorkerOptions
 
 # Event kinds, in the order same-time events are handled.
 _STEP_END, _INTAKE, _ENQUEUE, _BEAT, _BEAT_ARRIVES, _ARRIVE, _DISPATCH_DONE = range(7)

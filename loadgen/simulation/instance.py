@@ -3,8 +3,8 @@ intake, output and heartbeat logic, driven in virtual time.
 
 Everything that decides here is the live worker's own code: the engine is
 :class:`~workers.engines.emulated.EmulatedEngine` (the engine model with step noise) on a
-virtual clock, the intake reads :func:`~workers.worker.bundle_room` entries from the
-queue, requests become :func:`~workers.worker.engine_spec` and
+virtual clock, the intake reads :func:`~workers.intake.bundle_room` entries from the
+queue, requests become :func:`~workers.intake.engine_spec` and
 :class:`~workers.replies.InFlight`, answers are :func:`~workers.replies.final_record`
 and beats come from :class:`~workers.heartbeat.HeartbeatBuilder`. What this module adds
 is *when* things happen, as the live worker's loops would:
@@ -28,8 +28,8 @@ from blockq.engine_model import StepResult
 from blockq.protocol import FinalRecord, Heartbeat, Request
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 from workers.heartbeat import HeartbeatBuilder
+from workers.intake import WorkerOptions, bundle_room, engine_spec
 from workers.replies import InFlight, final_record, record_step_output
-from workers.worker import WorkerOptions, bundle_room, engine_spec
 
 
 @dataclass

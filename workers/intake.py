@@ -1,0 +1,47 @@
+"""What a worker takes from its queue and how it hands a request to its engine: the
+intake's options, how many entries it may read now, and the engine's view of a request.
+The live worker (:mod:`workers.worker`) and the simulation's instances call the same
+functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blockq.protocol import Request
+from workers.engines.base import Engine, EngineRequestSpec
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    bundle_size: int = 16
+    stream_interval_ms: float = 50.0
+    idle_poll_ms: int = 50
+
+    def __post_init__(self) -> None:
+        if self.bundle_size < 1:
+            raise ValueError(f"bundle_size: must be >= 1 (got {self.bundle_size})")
+        if self.stream_interval_ms < 0:
+            raise ValueError(f"stream_interval_ms: must be >= 0 (got {self.stream_interval_ms})")
+
+
+def bundle_room(options: WorkerOptions, engine: Engine, max_in_flight: int, num_in_flight: int) -> int:
+    """How many queue entries the intake may read now: at most a bundle, only what the
+    engine can admit soon, and never more in flight than one engine's worth (<= 0: none)."""
+    return min(options.bundle_size, engine.num_admittable(), max_in_flight - num_in_flight)
+
+
+def engine_spec(request: Request) -> EngineRequestSpec:
+    """``request`` as the engine is handed it."""
+    prediction = request.prediction
+    if prediction is not None:
+        prompt_tokens = prediction.prompt_tokens
+    elif isinstance(request.prompt, str):
+        prompt_tokens = max(1, len(request.prompt) // 4)  # no predictor ran: a rough count
+    else:
+        prompt_tokens = len(request.prompt)
+    return EngineRequestSpec(
+        request_id=request.id, prompt=request.prompt, prompt_tokens=prompt_tokens,
+        max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+        stop=request.stop, true_output_tokens=request.true_output_tokens,
+        predicted_output_tokens=prediction.predicted_output_tokens if prediction else None,
+        p90_tokens=prediction.p90_tokens if prediction else None)
