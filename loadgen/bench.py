@@ -69,20 +69,27 @@ class RunOutput:
     kv_samples: list[KvSample]
 
 
-def start_cluster(config: BenchConfig, policy: str, state_dir: Path) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "blockq.cli", "up", "--detach", "--json", "--state-dir", str(state_dir),
-            "--instances", str(config.instances), "--instances-per-process", str(config.instances_per_process),
-            "--policy", policy, "--preset", config.preset, "--time-scale", str(config.time_scale),
-            "--predictor", config.predictor, "--seed", str(config.seed)]
-    if config.predictor_model:
-        argv += ["--predictor-model", config.predictor_model]
-    if config.objective:
-        argv += ["--objective", config.objective]
-    env = {**os.environ, "BLOCKQ_REDIS_URL": "", "BLOCKQ_LOG_LEVEL": "warning"}
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+def up_detached(state_dir: Path, flags: list[str], env: dict[str, str] | None = None,
+                timeout_s: float = 300) -> dict[str, Any]:
+    """``blockq up --detach`` of a private cluster in ``state_dir`` (embedded Redis, quiet
+    logs, ``env`` added); returns its ready report."""
+    argv = [sys.executable, "-m", "blockq.cli", "up", "--detach", "--json", "--state-dir", str(state_dir), *flags]
+    env = {**os.environ, "BLOCKQ_REDIS_URL": "", "BLOCKQ_LOG_LEVEL": "warning", **(env or {})}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s)
     if done.returncode != 0:
-        raise RuntimeError(f"cluster for {policy} did not start: {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"cluster did not start: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout)
+
+
+def start_cluster(config: BenchConfig, policy: str, state_dir: Path) -> dict[str, Any]:
+    flags = ["--instances", str(config.instances), "--instances-per-process", str(config.instances_per_process),
+             "--policy", policy, "--preset", config.preset, "--time-scale", str(config.time_scale),
+             "--predictor", config.predictor, "--seed", str(config.seed)]
+    if config.predictor_model:
+        flags += ["--predictor-model", config.predictor_model]
+    if config.objective:
+        flags += ["--objective", config.objective]
+    return up_detached(state_dir, flags)
 
 
 def stop_cluster(state_dir: Path) -> None:

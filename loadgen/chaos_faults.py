@@ -19,6 +19,7 @@ import redis
 
 from blockq.keys import PAYLOAD_FIELD, Keys
 from blockq.state import ClusterState
+from loadgen.bench import stop_cluster, up_detached
 
 
 @dataclass(frozen=True)
@@ -48,19 +49,14 @@ class ChaosCluster:
         self.extra: list[subprocess.Popen[bytes]] = []
 
     def up(self) -> ClusterState:
-        argv = [sys.executable, "-m", "blockq.cli", "up", "--detach", "--json", "--state-dir", str(self.state_dir),
-                "--instances", str(self.options.instances), "--instances-per-process", "1",
-                "--policy", "round_robin", "--seed", str(self.options.seed)]
-        done = subprocess.run(argv, capture_output=True, text=True, env=self.env(), timeout=180)
-        if done.returncode != 0:
-            raise RuntimeError(f"cluster did not start: {done.stderr.strip()[-2000:]}")
+        up_detached(self.state_dir, ["--instances", str(self.options.instances), "--instances-per-process", "1",
+                                     "--policy", "round_robin", "--seed", str(self.options.seed)],
+                    env=self.env(), timeout_s=180)
         return self.state()
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, "BLOCKQ_REDIS_URL": "", "BLOCKQ_LOG_LEVEL": "warning"}
-        if self.options.max_backlog is not None:
-            env["BLOCKQ_MAX_BACKLOG"] = str(self.options.max_backlog)
-        return env
+        """What the cluster's processes get in their environment besides this one's."""
+        return {} if self.options.max_backlog is None else {"BLOCKQ_MAX_BACKLOG": str(self.options.max_backlog)}
 
     def state(self) -> ClusterState:
         state = ClusterState.read(self.state_dir)
@@ -76,11 +72,10 @@ class ChaosCluster:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             process.wait()
-        subprocess.run([sys.executable, "-m", "blockq.cli", "down", "--state-dir", str(self.state_dir)],
-                       capture_output=True, text=True, timeout=120)
+        stop_cluster(self.state_dir)
 
     def start_standby_dispatcher(self) -> None:
-        env = {**self.env(), "BLOCKQ_REDIS_URL": self.state().redis_url}
+        env = {**os.environ, "BLOCKQ_LOG_LEVEL": "warning", **self.env(), "BLOCKQ_REDIS_URL": self.state().redis_url}
         log_file = open(self.state_dir / "logs" / "standby-dispatcher.log", "ab")  # noqa: SIM115 - child's lifetime
         self.extra.append(subprocess.Popen([sys.executable, "-m", "dispatcher", "--policy", "round_robin"],
                                            env=env, stdout=log_file, stderr=subprocess.STDOUT))
