@@ -171,7 +171,10 @@ async def test_a_dead_loop_stops_the_worker(settings: Settings, sync_redis: redi
         run.worker.consumer.read = broken  # type: ignore[method-assign]
     else:
         run.worker._remember_cancel = broken  # type: ignore[method-assign]
-        sync_redis.xadd(settings.keys.cancellations, {PAYLOAD_FIELD: "someone-else"})
+        # The cancel loop reads from the stream's end when it starts: a notice sent before
+        # its first read is not seen, so send until one is.
+        await eventually(lambda: sync_redis.xadd(settings.keys.cancellations, {PAYLOAD_FIELD: "someone-else"})
+                         and run.task.done(), timeout_s=10)
     with pytest.raises(WorkerFailed, match=f"{loop} broke"):
         await asyncio.wait_for(run.task, 10)
     await run.client.aclose()
