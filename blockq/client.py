@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 
 from blockq.config import ConfigError, Settings
 from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Chunk, FinalRecord, Request, decode_reply_entry, encode
+from blockq.protocol import Chunk, FinalRecord, Placement, Request, decode_reply_entry, encode
 
 # A reader outlives a Redis restart: it retries its read (from the last entry it saw)
 # after this pause, until its timeout.
@@ -108,6 +108,8 @@ class SubmitSpec:
     stop: tuple[str, ...] = ()
     priority: str = "interactive"
     deadline_s: float | None = None
+    slo_ttft_ms: float | None = None
+    best_effort: bool = False
     tenant: str = "default"
     request_id: str | None = None
     num_turns: int = 1
@@ -123,7 +125,8 @@ def build_request(spec: SubmitSpec, settings: Settings) -> Request:
         id=request_id, prompt=prompt, max_tokens=spec.max_tokens,
         reply_stream=settings.keys.reply(request_id), submitted_at_s=time.time(),
         temperature=spec.temperature, top_p=spec.top_p, stop=tuple(spec.stop),
-        priority=spec.priority, deadline_s=spec.deadline_s, tenant=spec.tenant,
+        priority=spec.priority, deadline_s=spec.deadline_s, slo_ttft_ms=spec.slo_ttft_ms,
+        best_effort=spec.best_effort, tenant=spec.tenant,
         num_turns=spec.num_turns, true_output_tokens=spec.true_output_tokens,
         trace_predicted_output_tokens=spec.trace_predicted_output_tokens,
     )
@@ -172,6 +175,7 @@ class ReplyReader:
         self.next_index = 0          # one past the highest chunk index seen
         self.num_tokens_received = 0
         self.final: FinalRecord | None = None
+        self.placement: Placement | None = None  # the latest, when placed again
         self._text_parts: list[str] = []
         self._num_chars = 0
         # token offset -> characters received before it, at each received chunk's start
@@ -191,6 +195,9 @@ class ReplyReader:
             message = decode_reply_entry(fields[PAYLOAD_FIELD.encode()])
             if isinstance(message, FinalRecord):
                 self.final = message
+                continue
+            if isinstance(message, Placement):
+                self.placement = message
                 continue
             chunk = self._unseen_part(message)
             self.next_index = max(self.next_index, message.index + 1)
@@ -251,31 +258,47 @@ def _block_ms(deadline: float) -> int:
 
 
 class Handle:
-    """A submitted request. ``stream()`` yields its chunks; ``result()`` its final record."""
+    """A submitted request. ``placement()`` says where it went and the forecast there;
+    ``stream()`` yields its chunks; ``result()`` its final record."""
 
     def __init__(self, client: Client, request: Request) -> None:
         self.client = client
         self.request = request
         self.id = request.id
         self._reader = ReplyReader()
+        self._unyielded: list[Chunk] = []  # read by placement(), not yet yielded by stream()
+
+    def _read(self, deadline: float) -> list[Chunk]:
+        """One blocking read of the reply stream; the fresh chunks (a Redis outage: none,
+        after a pause: redis-py reconnects on the next call)."""
+        block_ms = _block_ms(deadline)
+        try:
+            reply = self.client.redis.xread({self.request.reply_stream: self._reader.last_entry_id}, count=256,
+                                            block=block_ms)
+        except REDIS_DOWN:
+            time.sleep(min(RECONNECT_PAUSE_S, block_ms / 1000))
+            return []
+        return self._reader.feed(reply[0][1]) if reply else []
+
+    def placement(self, timeout_s: float | None = 300.0) -> Placement | None:
+        """Block until the request is placed (raises TimeoutError after ``timeout_s``):
+        the instance and the predicted TTFT / E2E. None when it was answered without
+        being placed (``infeasible``, or an error before placement)."""
+        deadline = _deadline(timeout_s)
+        while self._reader.placement is None and self._reader.final is None:
+            self._unyielded.extend(self._read(deadline))
+        return self._reader.placement
 
     def stream(self, timeout_s: float | None = 300.0) -> Iterator[Chunk]:
         """Yield chunks in order, each output token's text exactly once (see
         :class:`ReplyReader`), until the final record arrives."""
         deadline = _deadline(timeout_s)
-        stream_key = self.request.reply_stream
+        while self._unyielded:
+            yield self._unyielded.pop(0)
         while self._reader.final is None:
-            block_ms = _block_ms(deadline)
-            try:
-                reply = self.client.redis.xread({stream_key: self._reader.last_entry_id}, count=256,
-                                                block=block_ms)
-            except REDIS_DOWN:
-                time.sleep(min(RECONNECT_PAUSE_S, block_ms / 1000))  # redis-py reconnects on the next call
-                continue
-            if reply:
-                yield from self._reader.feed(reply[0][1])
+            yield from self._read(deadline)
         with contextlib.suppress(*REDIS_DOWN):
-            self.client.redis.expire(stream_key, self.client.settings.reply_read_ttl_s)
+            self.client.redis.expire(self.request.reply_stream, self.client.settings.reply_read_ttl_s)
 
     def result(self, timeout_s: float | None = 300.0) -> FinalRecord:
         """Block until the final record (raises TimeoutError after ``timeout_s``)."""
@@ -339,23 +362,33 @@ class AsyncHandle:
         self.request = request
         self.id = request.id
         self._reader = ReplyReader()
+        self._unyielded: list[Chunk] = []
+
+    async def _read(self, deadline: float) -> list[Chunk]:
+        block_ms = _block_ms(deadline)
+        try:
+            reply = await self.client.redis.xread({self.request.reply_stream: self._reader.last_entry_id},
+                                                  count=256, block=block_ms)
+        except REDIS_DOWN:
+            await asyncio.sleep(min(RECONNECT_PAUSE_S, block_ms / 1000))
+            return []
+        return self._reader.feed(reply[0][1]) if reply else []
+
+    async def placement(self, timeout_s: float | None = 300.0) -> Placement | None:
+        deadline = _deadline(timeout_s)
+        while self._reader.placement is None and self._reader.final is None:
+            self._unyielded.extend(await self._read(deadline))
+        return self._reader.placement
 
     async def stream(self, timeout_s: float | None = 300.0) -> AsyncIterator[Chunk]:
         deadline = _deadline(timeout_s)
-        stream_key = self.request.reply_stream
+        while self._unyielded:
+            yield self._unyielded.pop(0)
         while self._reader.final is None:
-            block_ms = _block_ms(deadline)
-            try:
-                reply = await self.client.redis.xread({stream_key: self._reader.last_entry_id}, count=256,
-                                                      block=block_ms)
-            except REDIS_DOWN:
-                await asyncio.sleep(min(RECONNECT_PAUSE_S, block_ms / 1000))
-                continue
-            if reply:
-                for chunk in self._reader.feed(reply[0][1]):
-                    yield chunk
+            for chunk in await self._read(deadline):
+                yield chunk
         with contextlib.suppress(*REDIS_DOWN):
-            await self.client.redis.expire(stream_key, self.client.settings.reply_read_ttl_s)
+            await self.client.redis.expire(self.request.reply_stream, self.client.settings.reply_read_ttl_s)
 
     async def result(self, timeout_s: float | None = 300.0) -> FinalRecord:
         async for _ in self.stream(timeout_s):

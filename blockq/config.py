@@ -13,6 +13,8 @@ Environment variables (all optional):
 ``BLOCKQ_REPLY_READ_TTL_S``    reply stream lifetime once the final record was read
 ``BLOCKQ_CLAIM_IDLE_MS``       pending entries idle this long are claimed by a live peer
 ``BLOCKQ_HEARTBEAT_MS``        worker heartbeat interval, milliseconds
+``BLOCKQ_SLO_TTFT_MS``         interactive requests' TTFT objective (default 3000; 0: none):
+                               one predicted to miss it is answered ``infeasible``
 ``BLOCKQ_STATE_DIR``           where ``blockq up`` keeps Redis data, pids and logs
 ``BLOCKQ_LOG_LEVEL``           debug | info | warning | error
 ``BLOCKQ_MAX_MESSAGE_BYTES``   protocol limit (likewise ``BLOCKQ_MAX_PROMPT_CHARS``,
@@ -29,7 +31,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from blockq.keys import DEFAULT_PREFIX, Keys
-from blockq.protocol import ProtocolLimits
+from blockq.protocol import MAX_SLO_TTFT_MS, ProtocolLimits
 
 ENV_PREFIX = "BLOCKQ_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -61,6 +63,9 @@ class Settings:
     claim_idle_ms: int = 30_000
     max_deliveries: int = 5
     heartbeat_interval_ms: int = 100
+    # Every interactive request's TTFT objective unless it carries its own: one the
+    # dispatcher predicts it cannot meet is answered "infeasible" (0: no cluster-wide SLO).
+    slo_ttft_ms: int = 3000
     state_dir: Path = field(default_factory=lambda: Path(".blockq"))
     log_level: str = "info"
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
@@ -72,6 +77,8 @@ class Settings:
                      "max_deliveries", "heartbeat_interval_ms"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        if not 0 <= self.slo_ttft_ms <= MAX_SLO_TTFT_MS:
+            raise ConfigError(f"slo_ttft_ms: must be between 0 and {MAX_SLO_TTFT_MS:.0f} (got {self.slo_ttft_ms})")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)} (got {self.log_level!r})")
         try:
@@ -116,6 +123,7 @@ class Settings:
             "claim_idle_ms": read_int("CLAIM_IDLE_MS", cls.claim_idle_ms),
             "max_deliveries": read_int("MAX_DELIVERIES", cls.max_deliveries),
             "heartbeat_interval_ms": read_int("HEARTBEAT_MS", cls.heartbeat_interval_ms),
+            "slo_ttft_ms": read_int("SLO_TTFT_MS", cls.slo_ttft_ms),
             "state_dir": Path(env.get(ENV_PREFIX + "STATE_DIR") or ".blockq"),
             "log_level": (env.get(ENV_PREFIX + "LOG_LEVEL") or "info").lower(),
             "limits": limits,

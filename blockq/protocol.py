@@ -22,6 +22,9 @@ from blockq.keys import Keys
 
 SCHEMA_VERSION = 1
 PRIORITIES = ("interactive", "batch")
+# A final record's status when the dispatcher refused the request before it ran.
+STATUS_INFEASIBLE = "infeasible"
+MAX_SLO_TTFT_MS = 3_600_000.0  # one hour: a longer "objective" is a typo
 
 
 class ValidationError(ValueError):
@@ -164,7 +167,10 @@ class Request:
     """One generation request, as it travels from the client to a worker.
 
     ``prompt`` is text or a tuple of token ids. ``deadline_s`` and ``submitted_at_s`` are
-    wall-clock epoch seconds. ``true_output_tokens`` is carried only by trace replays (the
+    wall-clock epoch seconds. ``slo_ttft_ms`` is this request's time-to-first-token
+    objective (None: the cluster's, ``BLOCKQ_SLO_TTFT_MS``); a request that no instance is
+    predicted to start within it, or to finish by ``deadline_s``, is answered
+    ``infeasible`` at once unless ``best_effort`` (then it is placed anyway). ``true_output_tokens`` is carried only by trace replays (the
     emulated engine ends the request there); ``trace_predicted_output_tokens`` is a
     prediction shipped with a trace.
     """
@@ -179,6 +185,8 @@ class Request:
     stop: tuple[str, ...] = ()
     priority: str = "interactive"
     deadline_s: float | None = None
+    slo_ttft_ms: float | None = None
+    best_effort: bool = False
     tenant: str = "default"
     num_turns: int = 1
     true_output_tokens: int | None = None
@@ -240,6 +248,8 @@ class Request:
             stop=_decode_stop(data, limits),
             priority=priority,
             deadline_s=_get_float(data, "deadline_s", required=False),
+            slo_ttft_ms=_get_float(data, "slo_ttft_ms", required=False),
+            best_effort=bool(_get(data, "best_effort", bool, required=False)),
             tenant=tenant,
             num_turns=_optional_int(data, "num_turns", 1, 10_000) or 1,
             true_output_tokens=_optional_int(data, "true_output_tokens", 1),
@@ -248,6 +258,8 @@ class Request:
             assignment=Assignment.from_map(assignment) if assignment is not None else None,
         )
         _check_range("temperature", request.temperature, 0.0, 2.0)
+        if request.slo_ttft_ms is not None:
+            _check_range("slo_ttft_ms", request.slo_ttft_ms, 1.0, MAX_SLO_TTFT_MS)
         if not 0.0 < request.top_p <= 1.0:
             raise ValidationError("top_p", f"must be in (0, 1] (got {request.top_p})")
         if keys is not None and request.reply_stream != keys.reply(request_id):
@@ -302,6 +314,34 @@ def _decode_stop(data: Mapping[str, Any], limits: ProtocolLimits) -> tuple[str, 
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where the dispatcher placed a request and what it forecasts there, written on the
+    request's reply stream when it is queued (before its first chunk; again if it is
+    placed again). Forecasts are milliseconds from ``decided_at_s`` (None: the policy
+    makes none)."""
+
+    request_id: str
+    instance: str
+    policy: str
+    decided_at_s: float
+    predicted_ttft_ms: float | None = None
+    predicted_e2e_ms: float | None = None
+
+    def to_map(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["id"] = data.pop("request_id")
+        return {"v": SCHEMA_VERSION, "kind": "placement", **data}
+
+    @classmethod
+    def of(cls, request: Request) -> Placement:
+        """The placement of a request the dispatcher has assigned."""
+        if request.assignment is None:
+            raise ValueError(f"{request.id}: no assignment")
+        a = request.assignment
+        return cls(request.id, a.instance_id, a.policy, a.decided_at_s, a.predicted_ttft_ms, a.predicted_e2e_ms)
+
+
+@dataclass(frozen=True)
 class Chunk:
     """A piece of a request's output on its reply stream. ``index`` counts from 0.
 
@@ -328,7 +368,9 @@ class Chunk:
 class FinalRecord:
     """The last entry on a reply stream. Times in milliseconds; ``None`` when unknown.
 
-    ``status`` is ``ok``, ``cancelled`` or ``error``; ``index`` is one past the last chunk's
+    ``status`` is ``ok``, ``cancelled``, ``error`` or ``infeasible`` (the dispatcher
+    predicted the request's SLO or deadline could not be met: nothing ran, ``error`` says
+    why and ``predicted_ttft_ms`` / ``predicted_e2e_ms`` are the best figures it found); ``index`` is one past the last chunk's
     index, so a reader knows how many chunks precede it.
     """
 
@@ -395,10 +437,16 @@ class DoneRecord:
         return cls(**{f.name: data.get(f.name) for f in fields(cls)})
 
 
-def decode_reply_entry(raw: bytes) -> Chunk | FinalRecord:
+def decode_reply_entry(raw: bytes) -> Chunk | FinalRecord | Placement:
     """Decode one entry of a reply stream."""
     data = unpack_map(raw)
     kind = data.get("kind")
+    if kind == "placement":
+        _check_envelope(data, "placement")
+        return Placement(request_id=_get(data, "id", str), instance=_get(data, "instance", str),
+                         policy=_get(data, "policy", str), decided_at_s=_get_float(data, "decided_at_s"),
+                         predicted_ttft_ms=_get_float(data, "predicted_ttft_ms", required=False),
+                         predicted_e2e_ms=_get_float(data, "predicted_e2e_ms", required=False))
     if kind == "chunk":
         _check_envelope(data, "chunk")
         return Chunk(request_id=_get(data, "id", str), index=_get(data, "index", int),

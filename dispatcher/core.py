@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from blockq.health import HealthPolicy
 from blockq.protocol import Assignment, Heartbeat, Request
+from dispatcher.admission import Infeasible, judge
 from dispatcher.cluster_view import InstanceView
 from dispatcher.policies import Policy, make_policy, make_view
 from dispatcher.priority import eligible_candidates
@@ -45,7 +46,7 @@ class Rejected:
     reason: str
 
 
-Outcome = Placed | Held | Rejected
+Outcome = Placed | Held | Rejected | Infeasible
 
 
 @dataclass
@@ -57,6 +58,7 @@ class CoreStats:
     num_placed: int = 0
     num_held: int = 0
     num_rejected: int = 0
+    num_infeasible: int = 0
     decision_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
 
 
@@ -64,15 +66,20 @@ class DispatcherCore:
     """One policy over one cluster view (see the module docstring).
 
     ``lengths`` overrides the output lengths the replicas simulate with (default: the
-    policy's, :data:`dispatcher.policies.POLICIES`)."""
+    policy's, :data:`dispatcher.policies.POLICIES`). ``slo_ttft_ms``: the TTFT objective
+    of interactive requests that carry none (None: none); every decision is judged
+    against the request's objective and deadline (:mod:`dispatcher.admission`), and one
+    predicted to miss them is answered :class:`Infeasible` instead of placed."""
 
     def __init__(self, policy_name: str, *, seed: int | None = None, objective: str = "e2e",
                  lengths: str | None = None, health_policy: HealthPolicy | None = None,
-                 resync_interval_s: float = 0.3, timer: Callable[[], float] | None = None) -> None:
+                 resync_interval_s: float = 0.3, timer: Callable[[], float] | None = None,
+                 slo_ttft_ms: float | None = None) -> None:
         self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy,
                               resync_interval_s=resync_interval_s)
         self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective)
         self.timer = timer
+        self.slo_ttft_ms = slo_ttft_ms
         self.stats = CoreStats()
 
     @property
@@ -128,15 +135,16 @@ class DispatcherCore:
 
     def replace_unstarted(self, instance_id: str, requests: Sequence[Request], now_s: float) -> list[Outcome]:
         """Place again the requests an instance received but never started (it died or is
-        draining), on the other live instances; the instance forgets what it was given."""
+        draining), on the other live instances; the instance forgets what it was given.
+        They were accepted once: they are placed however late (never :class:`Infeasible`)."""
         live = [view for view in self.view.live_instances() if view.instance_id != instance_id]
-        outcomes = [self._place_one(request, live, now_s) for request in requests]
+        outcomes = [self._place_one(request, live, now_s, admit=False) for request in requests]
         left = self.view.instances.get(instance_id)
         if left is not None:
             left.assigned_not_seen.clear()
         return outcomes
 
-    def _place_one(self, request: Request, live: list[InstanceView], now_s: float) -> Outcome:
+    def _place_one(self, request: Request, live: list[InstanceView], now_s: float, *, admit: bool = True) -> Outcome:
         candidates = eligible_candidates(request, live) if live else []
         if not candidates:  # batch work waits for idle capacity; so does everything with no instance
             self.stats.num_held += 1
@@ -148,6 +156,10 @@ class DispatcherCore:
                 self.stats.num_held += 1
                 return Held(request)
             decision_ms = (self.timer() - started) * 1000 if self.timer is not None else 0.0
+            infeasible = judge(request, decision, now_s, self.slo_ttft_ms) if admit else None
+            if infeasible is not None:
+                self.stats.num_infeasible += 1
+                return infeasible
             placed = request.with_assignment(Assignment(
                 instance_id=decision.instance_id, policy=self.policy.name, decided_at_s=now_s,
                 decision_ms=decision_ms, predicted_ttft_ms=decision.predicted_ttft_ms,

@@ -47,9 +47,17 @@ from blockq.config import Settings
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
 from blockq.health import HealthPolicy
 from blockq.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
-from blockq.output import set_owner
-from blockq.protocol import Request, ValidationError, decode_heartbeat, decode_request, encode
+from blockq.output import queue_final, set_owner
+from blockq.protocol import (
+    Placement,
+    Request,
+    ValidationError,
+    decode_heartbeat,
+    decode_request,
+    encode,
+)
 from blockq.streams import GroupConsumer, StreamEntry
+from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.cluster_view import ClusterView
 from dispatcher.core import DispatcherCore, Held, Placed
 from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
@@ -274,26 +282,37 @@ class Dispatcher:
         queued = list(self.unplaced)
         self.unplaced.clear()
         placed: list[tuple[StreamEntry, Request]] = []
+        refused: list[tuple[StreamEntry, Infeasible]] = []
         now_s = self.clock()
         for (entry, _), outcome in zip(queued, self.core.place([r for _, r in queued], now_s), strict=True):
             if isinstance(outcome, Held):
                 self.unplaced.append((entry, outcome.request))
             elif isinstance(outcome, Placed):
                 placed.append((entry, outcome.request))
+            elif isinstance(outcome, Infeasible):
+                refused.append((entry, outcome))
             else:
                 dead.append((entry, outcome.reason))
-        if placed or dead:
-            await self.lease.write_fenced(lambda pipe: self._queue_batch_writes(pipe, placed, dead))
-        for entry, _ in [*placed, *dead]:
+        if placed or dead or refused:
+            await self.lease.write_fenced(lambda pipe: self._queue_batch_writes(pipe, placed, dead, refused, now_s))
+        for entry, _ in [*placed, *dead, *refused]:
             self._unplaced_ids.discard(entry.entry_id)
         self._last_num_placed = len(placed)
         self.num_placed += len(placed)
         return len(placed)
 
     def _queue_batch_writes(self, pipe: Pipeline, placed: list[tuple[StreamEntry, Request]],
-                            dead: list[tuple[StreamEntry, str]]) -> None:
+                            dead: list[tuple[StreamEntry, str]], refused: list[tuple[StreamEntry, Infeasible]],
+                            now_s: float) -> None:
         for entry, reason in dead:
             self.consumer.dead_letter(pipe, entry, reason)
+        for entry, outcome in refused:
+            # Answered, not failed: the client learns at once, with the best forecast.
+            request = outcome.request
+            queue_final(pipe, self.keys, request.id, request.reply_stream, "",
+                        encode(infeasible_final(outcome, now_s)), None, self.settings.reply_ttl_s)
+            self.consumer.ack(pipe, [entry.entry_id])
+            log.info("request_infeasible", request_id=request.id, reason=outcome.reason)
         for entry, request in placed:
             self._queue_placement(pipe, request)
             self.consumer.ack(pipe, [entry.entry_id])
@@ -303,6 +322,9 @@ class Dispatcher:
         instance_id = request.assignment.instance_id  # type: ignore[union-attr]
         set_owner(pipe, self.keys, request.id, instance_id, self.settings.reply_ttl_s)
         pipe.xadd(self.keys.instance_queue(instance_id), {PAYLOAD_FIELD: encode(request)})
+        # The client learns where its request went, and the forecast, before its first token.
+        pipe.xadd(request.reply_stream, {PAYLOAD_FIELD: encode(Placement.of(request))})
+        pipe.expire(request.reply_stream, self.settings.reply_ttl_s)
 
     async def redispatch_queue(self, instance_id: str) -> int | None:
         """Move every entry left in a dead or stopped instance's queue, unread or taken
@@ -365,6 +387,7 @@ def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: s
     """A dispatcher whose core runs the named policy, timing decisions on the wall clock."""
     options = options or DispatcherOptions()
     core = DispatcherCore(policy_name, seed=seed, objective=objective, timer=time.perf_counter,
+                          slo_ttft_ms=settings.slo_ttft_ms or None,
                           health_policy=HealthPolicy(heartbeat_interval_s=settings.heartbeat_interval_ms / 1000,
                                                      dead_after_s=options.dead_after_s))
     return Dispatcher(client, settings, core, dispatcher_id=dispatcher_id, options=options)

@@ -51,6 +51,7 @@ class RequestRecord:
     num_preemptions: int
     ok: bool
     error: str | None = None
+    status: str = "ok"
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,10 @@ def summarize(
       ``throughput_tokens_per_s`` (output tokens), ``requests_per_s`` (completed),
       ``goodput_requests_per_s``;
     * ``goodput``: the share of all requests that completed with ``ttft_ms <=
-      slo_ttft_ms`` (``slo_ttft_ms`` is echoed);
+      slo_ttft_ms`` (``slo_ttft_ms`` is echoed); ``infeasible``: the share answered
+      ``infeasible`` (``infeasible_answer_p99_ms``: how long those answers took);
+      ``answered_within_slo``: the share that either completed within the SLO or was
+      answered infeasible within it;
     * ``kv_usage_variance_mean``: mean over time of the across-instance variance of
       ``kv_used_fraction`` (:func:`kv_usage_variance_series`, ``kv_bucket_s`` buckets);
     * prediction errors (mean absolute): ``length_mae_tokens`` — predicted vs actually
@@ -193,6 +197,11 @@ def summarize(
     summary["goodput"] = num_good / num_requests if num_requests else None
     summary["goodput_requests_per_s"] = num_good / duration_s if has_duration else None
     summary["slo_ttft_ms"] = float(slo_ttft_ms)
+    refused_ms = _finite(r.e2e_ms for r in records if r.status == "infeasible")
+    num_refused_in_time = int((refused_ms <= slo_ttft_ms).sum())
+    summary["infeasible"] = refused_ms.size / num_requests if num_requests else None
+    summary["infeasible_answer_p99_ms"] = _percentile(refused_ms, 99)
+    summary["answered_within_slo"] = (num_good + num_refused_in_time) / num_requests if num_requests else None
 
     variance_series = kv_usage_variance_series(kv_samples, bucket_s=kv_bucket_s)
     summary["kv_usage_variance_mean"] = (

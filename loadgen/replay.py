@@ -110,7 +110,7 @@ def record_of(request_id: str, request: TraceRequest, offset_s: float, final: Fi
         predicted_output_tokens=final.predicted_output_tokens, output_tokens=final.output_tokens,
         queue_wait_ms=final.queue_wait_ms, ttft_ms=final.ttft_ms, tpot_ms=final.tpot_ms, e2e_ms=final.e2e_ms,
         predicted_ttft_ms=final.predicted_ttft_ms, predicted_e2e_ms=final.predicted_e2e_ms,
-        num_preemptions=final.num_preemptions, ok=final.status == "ok", error=final.error)
+        num_preemptions=final.num_preemptions, ok=final.status == "ok", error=final.error, status=final.status)
 
 
 def failed_record(request: TraceRequest, offset_s: float, error: str) -> RequestRecord:
@@ -118,7 +118,7 @@ def failed_record(request: TraceRequest, offset_s: float, error: str) -> Request
         request_id="", submitted_at_s=offset_s, instance=None, prompt_tokens=request.prompt_tokens,
         true_output_tokens=request.true_output_tokens, predicted_output_tokens=None, output_tokens=0,
         queue_wait_ms=None, ttft_ms=None, tpot_ms=None, e2e_ms=None, predicted_ttft_ms=None,
-        predicted_e2e_ms=None, num_preemptions=0, ok=False, error=error)
+        predicted_e2e_ms=None, num_preemptions=0, ok=False, error=error, status="failed")
 
 
 async def _follow_heartbeats(client: AsyncClient, started_s: float, time_scale: float, result: ReplayResult,

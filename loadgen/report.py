@@ -240,9 +240,13 @@ def write_report(
 
 
 def meets_slo(result: Mapping[str, Any], slo_ttft_p99_ms: float) -> bool:
-    """True when the run is valid and its measured P99 TTFT is at most the SLO."""
+    """True when the run is valid, its measured P99 TTFT is at most the SLO and at least
+    99 % of all requests were served within it (``goodput``, where the run has one): a
+    policy that answers requests ``infeasible`` buys no capacity by refusing them."""
     p99 = result.get("ttft_p99_ms")
-    return bool(result.get("valid", True)) and _is_number(p99) and p99 <= slo_ttft_p99_ms
+    goodput = result.get("goodput")
+    served = goodput is None or goodput >= 0.99
+    return bool(result.get("valid", True)) and _is_number(p99) and p99 <= slo_ttft_p99_ms and served
 
 
 def capacity_search(

@@ -25,9 +25,9 @@ from blockq.protocol import Heartbeat, Prediction, Request, RequestProgress
 def make_request(prompt: str = "hello", max_tokens: int = 16, *, keys: Keys | None = None,
                  predicted: int | None = None, **overrides: object) -> Request:
     request_id = str(overrides.pop("id", uuid.uuid4().hex))
+    overrides.setdefault("submitted_at_s", time.time())
     request = Request(id=request_id, prompt=prompt, max_tokens=max_tokens,
-                      reply_stream=(keys or Keys()).reply(request_id), submitted_at_s=time.time(),
-                      **overrides)  # type: ignore[arg-type]
+                      reply_stream=(keys or Keys()).reply(request_id), **overrides)  # type: ignore[arg-type]
     if predicted is not None:
         request = request.with_prediction(Prediction(len(prompt.split()) if isinstance(prompt, str) else len(prompt),
                                                      predicted, max(1, predicted // 2), predicted * 2, "test"))

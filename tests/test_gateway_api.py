@@ -26,7 +26,7 @@ from blockq.gateway.openai_requests import (
 )
 from blockq.gateway.server import create_app
 from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Chunk, FinalRecord, ValidationError, decode_request, encode
+from blockq.protocol import Chunk, FinalRecord, Placement, ValidationError, decode_request, encode
 
 AUTH = {"Authorization": "Bearer sk-a"}
 
@@ -136,7 +136,13 @@ async def fake_worker(settings: Settings, stop: asyncio.Event) -> None:
                     last_id = entry_id
                     request = decode_request(fields[PAYLOAD_FIELD.encode()])
                     failed = isinstance(request.prompt, str) and "fail" in request.prompt
-                    messages = [Chunk(request.id, 0, " a", 1), Chunk(request.id, 1, " b", 1),
+                    if isinstance(request.prompt, str) and "late" in request.prompt:  # as the dispatcher refuses
+                        refusal = FinalRecord(request.id, 0, "infeasible", "", 0, 3, "", "infeasible",
+                                              predicted_ttft_ms=4200.0, error="infeasible: predicted TTFT 4200 ms")
+                        await client.xadd(request.reply_stream, {PAYLOAD_FIELD: encode(refusal)})
+                        continue
+                    messages = [Placement(request.id, "inst-7", "block", 1.0, 4.0, 8.0),
+                                Chunk(request.id, 0, " a", 1), Chunk(request.id, 1, " b", 1),
                                 FinalRecord(request.id, 2, "error" if failed else "ok", " a b", 2, 3, "inst-7",
                                             "length", ttft_ms=5.0, e2e_ms=9.0, predicted_output_tokens=2,
                                             predicted_ttft_ms=4.0, predicted_e2e_ms=8.0, error="boom" if failed else None)]
@@ -309,6 +315,12 @@ async def test_chat_streaming_format(answered: TestClient) -> None:
         "stream_options": {"include_usage": True}})
     assert response.status == 200
     events = [line for line in (await response.text()).split("\n\n") if line]
+    # Where the request went and the forecast, as an SSE comment before the first token.
+    comments = [e for e in events if e.startswith(":")]
+    assert comments == [': x-blockq-placement {"index":0,"instance":"inst-7","predicted_ttft_ms":4.0,'
+                        '"predicted_e2e_ms":8.0}']
+    assert events.index(comments[0]) == 1  # after the role opening, before any content
+    events = [e for e in events if not e.startswith(":")]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -327,3 +339,15 @@ async def test_generation_error_is_500_without_details(answered: TestClient) -> 
     metrics = await (await answered.get("/metrics")).text()
     assert 'blockq_gateway_requests_total{code="500",endpoint="/v1/completions"} 1' in metrics
     assert "blockq_gateway_request_duration_seconds_bucket" in metrics
+
+
+async def test_infeasible_is_503_with_the_forecast(answered: TestClient) -> None:
+    response = await answered.post("/v1/completions", headers=AUTH, json={"model": "blockq", "prompt": "late"})
+    assert response.status == 503
+    assert response.headers["x-blockq-predicted-ttft-ms"] == "4200.0"
+    error = await error_of(response)
+    assert error["code"] == "slo_infeasible" and "4200 ms" in error["message"] and "best_effort" in error["message"]
+    response = await answered.post("/v1/completions", headers=AUTH,
+                                   json={"model": "blockq", "prompt": "late", "stream": True})
+    events = [e for e in (await response.text()).split("\n\n") if e]
+    assert any('"code":"slo_infeasible"' in e.replace(" ", "") for e in events) and events[-1] == "data: [DONE]"

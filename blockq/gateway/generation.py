@@ -28,11 +28,13 @@ from blockq.gateway.openai_responses import (
     error_body,
     extras_headers,
 )
+from blockq.protocol import STATUS_INFEASIBLE as INFEASIBLE
 from blockq.protocol import Chunk, FinalRecord
 
 log = structlog.get_logger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
+FAILED_STATUSES = ("error", INFEASIBLE)
 
 
 def _sse(data: dict[str, Any]) -> bytes:
@@ -134,6 +136,11 @@ class GenerationCall:
             log.error("generation_failed", request_id=final.request_id, instance=final.instance, error=final.error)
 
     def _failure(self, final: FinalRecord) -> GatewayError:
+        if final.status == INFEASIBLE:
+            # Refused before anything ran: the client may retry later, or send best_effort.
+            return GatewayError(503, f"{final.error} (request id {final.request_id}); send \"best_effort\": "
+                                "true to be served however late", "slo_infeasible", code="slo_infeasible",
+                                headers={"x-request-id": self.base_id, **extras_headers(final)})
         return GatewayError(500, f"generation failed (request id {final.request_id})", "server_error",
                             code="generation_failed", headers={"x-request-id": self.base_id})
 
@@ -144,13 +151,25 @@ class GenerationCall:
             self._account(final)
         self.metrics.prompt_tokens.inc(sum(finals[i * self.plan.n].prompt_tokens
                                            for i in range(len(self.plan.prompts))))
-        failed = [f for f in finals if f.status == "error"]
+        failed = [f for f in finals if f.status in FAILED_STATUSES]
         if failed:
             raise self._failure(failed[0])
         body = completion_body(self.plan, self.base_id, self.created_s, finals)
         headers = {"x-request-id": self.base_id, **extras_headers(finals[0])}
         return web.Response(body=json.dumps(body, separators=(",", ":")), headers=headers,
                             content_type="application/json")
+
+    async def _write_placements(self, response: web.StreamResponse) -> None:
+        """Where each choice went and its forecast, as SSE comments before the first token
+        (``: x-blockq-placement {...}``; clients of the OpenAI stream ignore comments)."""
+        for index, handle in enumerate(self.handles):
+            placement = await asyncio.wait_for(handle.placement(self.timeout_s), self.timeout_s)
+            if placement is not None:
+                body = {"index": index, "instance": placement.instance,
+                        "predicted_ttft_ms": placement.predicted_ttft_ms,
+                        "predicted_e2e_ms": placement.predicted_e2e_ms}
+                await response.write(b": x-blockq-placement " + json.dumps(body, separators=(",", ":")).encode()
+                                     + b"\n\n")
 
     async def _respond_streaming(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={
@@ -165,6 +184,7 @@ class GenerationCall:
         finals: list[FinalRecord | None] = [None] * self.plan.num_choices
         is_first = True
         try:
+            await self._write_placements(response)
             async for index, item in merged_stream(self.handles, self.timeout_s):
                 if isinstance(item, Chunk):
                     if is_first:
@@ -175,7 +195,7 @@ class GenerationCall:
                     continue
                 finals[index] = item
                 self._account(item)
-                if item.status == "error":
+                if item.status in FAILED_STATUSES:
                     error = self._failure(item)
                     await response.write(_sse(error_body(error.message, error.error_type, code=error.code)))
                 else:

@@ -10,8 +10,9 @@ Accepted and ignored (no effect on the emulated or vLLM engines behind blockq):
 ``seed``, ``user``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
 ``service_tier``, ``metadata``. Rejected with a named field: ``logprobs``/``top_logprobs``
 on completions, ``suffix``, ``best_of`` other than ``n``, ``tools``/``functions``, and
-``response_format`` other than ``text``. blockq extension: ``priority`` (``interactive``
-or ``batch``).
+``response_format`` other than ``text``. blockq extensions: ``priority`` (``interactive``
+or ``batch``), ``slo_ttft_ms`` (this call's TTFT objective, ms) and ``best_effort`` (serve it
+however late: never answered ``infeasible``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockq.client import SubmitSpec
-from blockq.protocol import PRIORITIES, ValidationError
+from blockq.protocol import MAX_SLO_TTFT_MS, PRIORITIES, ValidationError
 
 ENDPOINT_COMPLETIONS = "completions"
 ENDPOINT_CHAT = "chat.completions"
@@ -67,6 +68,8 @@ class GenerationPlan:
     include_usage: bool
     echo: bool
     priority: str
+    slo_ttft_ms: float | None = None
+    best_effort: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -86,7 +89,7 @@ class GenerationPlan:
         return [
             SubmitSpec(prompt=self.prompt_of(i), max_tokens=self.max_tokens, temperature=self.temperature,
                        top_p=self.top_p, stop=self.stop, priority=priority or self.priority, tenant=tenant,
-                       request_id=request_id)
+                       request_id=request_id, slo_ttft_ms=self.slo_ttft_ms, best_effort=self.best_effort)
             for i, request_id in enumerate(self.request_ids(base_id))
         ]
 
@@ -144,6 +147,12 @@ def _read_float(body: Mapping[str, Any], name: str, default: float, low: float, 
     return value
 
 
+def _read_optional_float(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    if body.get(name) is None:
+        return None
+    return _read_float(body, name, 0.0, low, high)
+
+
 def _read_bool(body: Mapping[str, Any], name: str) -> bool:
     return bool(_read(body, name, lambda v: isinstance(v, bool), "a boolean", False))
 
@@ -191,6 +200,8 @@ def _read_common(body: Any, max_tokens_default: int, defaults: RequestDefaults) 
         raise ValidationError("priority", f"must be one of {', '.join(PRIORITIES)} (got {priority!r})")
     return {
         "model": model, "n": n, "stream": stream, "include_usage": include_usage, "priority": priority,
+        "slo_ttft_ms": _read_optional_float(body, "slo_ttft_ms", 1.0, MAX_SLO_TTFT_MS),
+        "best_effort": _read_bool(body, "best_effort"),
         "temperature": _read_float(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _read_top_p(body),
         "max_tokens": _read_int(body, "max_tokens", max_tokens_default, 1, defaults.max_max_tokens),

@@ -9,7 +9,9 @@ prompt with nothing queued ahead (:meth:`PackedScheduler.can_start_now` on the r
 and is then placed by ``block``'s what-if among the instances that can. Held requests are
 offered again in order of predicted output length minus ``AGING_TOKENS_PER_S`` for every
 second waited (shortest first, starvation bounded by age); one that has waited
-``MAX_HOLD_S`` is placed where ``block`` would place it, queue or not.
+``MAX_HOLD_S`` (or two thirds of its own ``slo_ttft_ms``, when that is sooner) is placed
+where ``block`` would place it, queue or not, and judged against its objective there
+(:mod:`dispatcher.admission`: a forecast past the SLO answers it ``infeasible``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dispatcher.policies.predictive import Block
 
 AGING_TOKENS_PER_S = 100.0
 MAX_HOLD_S = 2.0
+HOLD_SHARE_OF_SLO = 2 / 3
 
 
 class BlockLate(Block):
@@ -31,7 +34,7 @@ class BlockLate(Block):
     name = "block_late"
 
     def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision | None:
-        if now_s - request.submitted_at_s >= MAX_HOLD_S:
+        if now_s - request.submitted_at_s >= hold_limit_s(request):
             return self._best(request, candidates, now_s)
         ready = []
         for candidate in candidates:
@@ -46,3 +49,10 @@ class BlockLate(Block):
             predicted = request.prediction.predicted_output_tokens if request.prediction else 0
             return predicted - AGING_TOKENS_PER_S * (now_s - request.submitted_at_s)
         return sorted(requests, key=key)
+
+
+def hold_limit_s(request: Request) -> float:
+    """How long ``request`` may wait for an instance that can start it at once."""
+    if request.slo_ttft_ms is None:
+        return MAX_HOLD_S
+    return min(MAX_HOLD_S, HOLD_SHARE_OF_SLO * request.slo_ttft_ms / 1000)

@@ -59,6 +59,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock ms each step ends late (an emulator on a busy host; 0: a real engine)")
     parser.add_argument("--noise", type=float, default=SimulationConfig.noise_sigma,
                         help="lognormal sigma of step-time noise (0 disables)")
+    parser.add_argument("--best-effort", action="store_true",
+                        help="serve every request however late: no 'infeasible' answers past the SLO")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -77,7 +79,7 @@ class Plan:
             decision_delay_ms=args.decision_delay_ms, ingress_delay_ms=args.ingress_delay_ms,
             ingress_delay_sigma=args.ingress_delay_sigma,
             queue_delay_ms=args.queue_delay_ms, noise_sigma=args.noise, slo_ttft_ms=args.slo_ttft_ms,
-            step_lag_ms=args.step_lag_ms, time_scale=args.time_scale)
+            step_lag_ms=args.step_lag_ms, time_scale=args.time_scale, best_effort=args.best_effort)
 
     def run(self, policy: str, rate: float, seed: int, progress: Progress) -> SimulatedRun:
         started = time.perf_counter()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blockq.protocol import FinalRecord, Heartbeat, Request
+from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.core import DispatcherCore, Held, Placed
 from loadgen.metrics import KvSample
 from loadgen.simulation.config import SimulationConfig
@@ -56,7 +57,8 @@ class ClusterSimulation:
         self.now_s = 0.0
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
-        self.core = DispatcherCore(config.policy, seed=config.seed, objective=config.objective)
+        self.core = DispatcherCore(config.policy, seed=config.seed, objective=config.objective,
+                                   slo_ttft_ms=None if config.best_effort else config.slo_ttft_ms)
         rng = random.Random(config.seed)
         worker_options = WorkerOptions(bundle_size=config.bundle_size, idle_poll_ms=int(config.idle_poll_ms))
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instances' wall clock
@@ -128,7 +130,10 @@ class ClusterSimulation:
         if self._held:
             self._dispatch()
 
-    def _on_dispatch_done(self, placed: list[Request]) -> None:
+    def _on_dispatch_done(self, written: tuple[list[Request], list[Infeasible]]) -> None:
+        placed, infeasible = written
+        for outcome in infeasible:
+            self.result.finals[outcome.request.id] = infeasible_final(outcome, self.now_s)
         queue_s = self.config.queue_delay_ms / 1000
         for request in placed:
             self._push(self.now_s + queue_s, _ENQUEUE, request)
@@ -148,17 +153,20 @@ class ClusterSimulation:
             batch.append(self._ready.popleft())
         self._held = []
         placed: list[Request] = []
+        infeasible: list[Infeasible] = []
         for outcome in self.core.place(batch, now_s):
             if isinstance(outcome, Placed):
                 placed.append(outcome.request)
             elif isinstance(outcome, Held):
                 self._held.append(outcome.request)
+            elif isinstance(outcome, Infeasible):
+                infeasible.append(outcome)
             else:
                 self.result.rejected[outcome.request.id] = outcome.reason
         if not batch:
             return
         self._dispatcher_busy = True
-        self._push(now_s + len(batch) * self.config.decision_s, _DISPATCH_DONE, placed)
+        self._push(now_s + len(batch) * self.config.decision_s, _DISPATCH_DONE, (placed, infeasible))
 
     # --- instances ----------------------------------------------------------------------
 
@@ -218,4 +226,4 @@ class ClusterSimulation:
         return {"events": self.result.num_events, "steps": sum(i.counters.num_steps for i in self.instances.values()),
                 "beats": sum(i.counters.num_beats for i in self.instances.values()),
                 "beats_rejected": stats.num_beats_rejected, "placed": stats.num_placed,
-                "held": stats.num_held, "rejected": stats.num_rejected}
+                "held": stats.num_held, "rejected": stats.num_rejected, "infeasible": stats.num_infeasible}

@@ -42,7 +42,10 @@ class SimulationConfig:
     an emulated engine's event loop wakes late on a busy host; 0 for a real engine, and the
     default). ``warmup_s``: instances beat this long before the first
     request, so that the dispatcher knows them all. ``time_scale``: wall seconds per model
-    second of the engines (see the module docstring).
+    second of the engines (see the module docstring). ``slo_ttft_ms``: the TTFT objective
+    the summaries count goodput against and the dispatcher judges placements by
+    (:mod:`dispatcher.admission`); ``best_effort``: every request is served however late
+    (none is answered ``infeasible``), as clients that send ``best_effort`` ask.
     """
 
     instances: int = 12
@@ -63,6 +66,7 @@ class SimulationConfig:
     step_lag_ms: float = 0.0
     warmup_s: float = 1.0
     slo_ttft_ms: float = 3000.0
+    best_effort: bool = False
     time_scale: float = 1.0
 
     def __post_init__(self) -> None:

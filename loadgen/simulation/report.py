@@ -15,6 +15,7 @@ _COLUMNS: tuple[tuple[str, str, float, int], ...] = (
     ("E2E mean ms", "e2e_mean_ms", 1.0, 0),
     ("E2E p99 ms", "e2e_p99_ms", 1.0, 0),
     ("goodput %", "goodput", 100.0, 1),
+    ("infeasible %", "infeasible", 100.0, 1),
     ("preemptions", "preemptions_total", 1.0, 0),
 )
 

@@ -1,0 +1,118 @@
+"""SLO admission: requests predicted to miss their objective are answered ``infeasible``
+at once (pure judgement, the simulation, the live dispatcher and its client), and the
+client learns each placement before its first token."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from blockq.client import Client, Handle
+from blockq.config import Settings
+from blockq.gateway.openai_requests import RequestDefaults, parse_completion_request
+from blockq.keys import PAYLOAD_FIELD
+from blockq.protocol import (
+    STATUS_INFEASIBLE,
+    Placement,
+    Request,
+    ValidationError,
+    decode_reply_entry,
+    encode,
+)
+from dispatcher.admission import judge, ttft_slo_ms
+from dispatcher.policies.base import Decision
+from loadgen.report import meets_slo
+from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.runner import simulate_run
+from loadgen.simulation.workload import annotate_sample, sample_trace
+from tests.factories import make_request
+from tests.test_dispatcher_service import make_dispatcher, publish_beat
+
+
+def test_judge_adds_the_wait_to_the_forecast_and_honours_best_effort_and_deadlines() -> None:
+    now_s = 1000.0
+    waited_2s = make_request(submitted_at_s=now_s - 2.0)
+    fits = Decision("a", predicted_ttft_ms=900.0, predicted_e2e_ms=5000.0)
+    late = Decision("a", predicted_ttft_ms=1100.0, predicted_e2e_ms=5000.0)
+    assert judge(waited_2s, fits, now_s, 3000.0) is None
+    verdict = judge(waited_2s, late, now_s, 3000.0)
+    assert verdict is not None and verdict.predicted_ttft_ms == pytest.approx(3100.0)
+    assert verdict.predicted_e2e_ms == pytest.approx(7000.0) and "SLO 3000 ms" in verdict.reason
+    assert judge(waited_2s, late, now_s, None) is None  # no objective anywhere
+    own_slo = make_request(submitted_at_s=now_s, slo_ttft_ms=500.0)
+    assert judge(own_slo, fits, now_s, None) is not None  # its own objective beats the cluster's
+    assert judge(make_request(submitted_at_s=now_s, slo_ttft_ms=500.0, best_effort=True), fits, now_s, None) is None
+    batch = make_request(submitted_at_s=now_s - 60, priority="batch")
+    assert ttft_slo_ms(batch, 3000.0) is None and judge(batch, late, now_s, 3000.0) is None
+    deadline = make_request(submitted_at_s=now_s, deadline_s=now_s + 4.0)
+    assert judge(deadline, fits, now_s, None) is not None  # finishes 1 s after its deadline
+    assert judge(deadline, Decision("a", 100.0, 3000.0), now_s, None) is None
+    # A policy without forecasts is judged on the wait alone.
+    assert judge(make_request(submitted_at_s=now_s - 3.5), Decision("a"), now_s, 3000.0) is not None
+    assert judge(make_request(submitted_at_s=now_s - 2.5), Decision("a"), now_s, 3000.0) is None
+
+
+def test_slo_fields_are_validated_by_name() -> None:
+    request = make_request(slo_ttft_ms=250.0, best_effort=True)
+    again = Request.from_map(request.to_map())
+    assert again.slo_ttft_ms == 250.0 and again.best_effort is True
+    with pytest.raises(ValidationError, match="slo_ttft_ms"):
+        Request.from_map({**request.to_map(), "slo_ttft_ms": 0.5})
+    with pytest.raises(ValidationError, match="best_effort"):
+        Request.from_map({**request.to_map(), "best_effort": "yes"})
+    plan = parse_completion_request({"model": "m", "prompt": "hi", "slo_ttft_ms": 800, "best_effort": True},
+                            RequestDefaults())
+    spec = plan.submit_specs("base", "default")[0]
+    assert spec.slo_ttft_ms == 800.0 and spec.best_effort is True
+    with pytest.raises(ValidationError, match="slo_ttft_ms"):
+        parse_completion_request({"model": "m", "prompt": "hi", "slo_ttft_ms": -1}, RequestDefaults())
+
+
+def test_overload_is_answered_infeasible_within_the_slo_and_capacity_counts_refusals() -> None:
+    """Two instances far past their capacity: with admission every request is answered,
+    the refused ones within the SLO; served ones meet it far more often than when every
+    request is served however late. A run that refuses more than 1 % fails the SLO test."""
+    sample = annotate_sample(sample_trace("synthetic", 400, 3, redraw=False), 3, predictor="heuristic")
+    admitted = simulate_run(SimulationConfig(instances=2, policy="block", seed=3), sample, rate_per_s=16.0)
+    served_late = simulate_run(SimulationConfig(instances=2, policy="block", seed=3, best_effort=True), sample,
+                               rate_per_s=16.0)
+    refused = [r for r in admitted.records if r.status == STATUS_INFEASIBLE]
+    assert refused and all(r.e2e_ms is not None and r.e2e_ms <= 3000 for r in refused)
+    assert all(r.predicted_ttft_ms is not None and r.predicted_ttft_ms > 3000 for r in refused)
+    assert admitted.summary["completed"] + len(refused) == 400
+    assert admitted.summary["infeasible"] == pytest.approx(len(refused) / 400)
+    assert admitted.summary["goodput"] > served_late.summary["goodput"] + 0.2
+    assert served_late.summary["infeasible"] == 0
+    assert admitted.summary["answered_within_slo"] > admitted.summary["goodput"]
+    assert not meets_slo(admitted.summary, 3000.0)
+    assert not meets_slo({"ttft_p99_ms": 100.0, "goodput": 0.985}, 3000.0)
+    assert meets_slo({"ttft_p99_ms": 100.0, "goodput": 0.995}, 3000.0)
+
+
+async def test_live_dispatcher_answers_infeasible_and_tells_placements(settings: Settings,
+                                                                       sync_redis: redis.Redis) -> None:
+    publish_beat(sync_redis, settings, "a")
+    dispatcher = await make_dispatcher(settings)
+    fresh = make_request(keys=settings.keys, predicted=10)
+    stale = make_request(keys=settings.keys, predicted=10, submitted_at_s=time.time() - 10)  # waited past 3 s
+    for request in (fresh, stale):
+        sync_redis.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(request)})
+    for _ in range(3):
+        await dispatcher.step()
+    assert dispatcher.core.stats.num_infeasible == 1 and dispatcher.num_placed == 1
+    client = Client(settings=settings)
+    try:
+        refused = Handle(client, stale).result(timeout_s=5)
+        assert refused.status == STATUS_INFEASIBLE and "SLO 3000 ms" in (refused.error or "")
+        assert Handle(client, stale).placement(timeout_s=5) is None
+        placement = Handle(client, fresh).placement(timeout_s=5)
+        assert isinstance(placement, Placement) and placement.instance == "a" and placement.policy == "round_robin"
+    finally:
+        client.close()
+    entries = sync_redis.xrange(settings.keys.reply(fresh.id))
+    assert [type(decode_reply_entry(f[PAYLOAD_FIELD.encode()])) for _, f in entries] == [Placement]
+    assert sync_redis.ttl(settings.keys.reply(fresh.id)) > 0
+    assert sync_redis.xpending(settings.keys.ready, "dispatch")["pending"] == 0
+    await dispatcher.client.aclose()
