@@ -154,3 +154,39 @@ def plot_kv_usage(path: Path, run_to_samples: Mapping[str, Sequence[KvSample]]) 
         if len(instance_to_points) <= 12:
             axis.legend(fontsize="x-small", ncol=2)
     return _save(figure, path)
+
+
+def capacity_noise_plot(entries: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """Capacity and overload goodput against the prediction error (MAE tokens), one line
+    per policy; a policy that does not read predictions is a flat dashed line."""
+    with_overload = any(entry.get("overload") for entry in entries)
+    figure, axes = _new_figure(2 if with_overload else 1)
+    maes = sorted({e["length_mae_tokens"] for e in entries if e.get("length_mae_tokens") is not None})
+    panels = [("capacity req/s", lambda e: e["capacity_rps"], lambda e: e["capacity_rps_sd"])]
+    if with_overload:
+        panels.append(("overload goodput %", lambda e: 100 * (e.get("overload") or {}).get("goodput", 0.0),
+                       lambda e: 100 * ((e.get("overload") or {}).get("goodput_sd") or 0.0)))
+    by_policy: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for entry in entries:
+        by_policy[str(entry["policy"])].append(entry)
+    for axis, (label, value, spread) in zip(axes, panels, strict=True):
+        for policy, items in by_policy.items():
+            if len(items) == 1 and items[0].get("length_mae_tokens") is None:
+                axis.axhline(value(items[0]), linestyle="--", label=policy, color=_policy_color(policy))
+                continue
+            items = sorted(items, key=lambda e: e["length_mae_tokens"])
+            axis.errorbar([e["length_mae_tokens"] for e in items], [value(e) for e in items],
+                          yerr=[spread(e) for e in items], marker="o", capsize=3, label=policy,
+                          color=_policy_color(policy))
+        axis.set_xlabel("prediction error, MAE tokens (0 = true lengths)")
+        axis.set_ylabel(label)
+        if maes:
+            axis.set_xticks(maes)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    return _save(figure, path)
+
+
+def _policy_color(policy: str) -> str:
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    return colors[sum(map(ord, policy)) % len(colors)]

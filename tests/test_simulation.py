@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import redis
 
 from blockq.config import Settings
@@ -18,7 +19,13 @@ from dispatcher.service import Dispatcher
 from loadgen.simulation.cluster import ClusterSimulation
 from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.runner import simulate_run
-from loadgen.simulation.workload import annotate_sample, arrivals_for, sample_trace, submitted
+from loadgen.simulation.workload import (
+    annotate_sample,
+    arrivals_for,
+    perturb_predictions,
+    sample_trace,
+    submitted,
+)
 from tests.conftest import run_blockq
 
 
@@ -146,14 +153,24 @@ def test_simulate_and_simulate_capacity_print_the_documented_json(tmp_path: Path
     assert "events/s" in done.stderr
     assert "± " in (out / "summary.md").read_text()
     assert (out / "ttft_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    # A noise curve: one capacity per prediction error for the policy that reads predictions,
+    # one for the rule that does not, and every entry's goodput at 1.5 x round robin's capacity.
     done = run_blockq("simulate", "capacity", "--trace", "synthetic", "--instances", "1", "--policies",
-                      "round_robin", "--rates", "0.5,8", "--requests", "80", "--seeds", "1,2",
-                      "--capacity-tolerance", "1", "--out", str(tmp_path / "cap"), "--json", "--no-progress",
-                      timeout_s=300)
+                      "round_robin,block", "--rates", "0.5,8", "--requests", "80", "--seeds", "1,2",
+                      "--length-mae-tokens", "0,150", "--overload-factor", "1.5", "--capacity-tolerance", "1",
+                      "--out", str(tmp_path / "cap"), "--json", "--no-progress", timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    (capacity,) = json.loads(done.stdout)
-    assert capacity.keys() == {"policy", "capacity_rps", "capacity_rps_sd", "per_seed"}
-    assert 0.5 <= capacity["capacity_rps"] < 8 and len(capacity["per_seed"]) == 2
+    capacities = json.loads(done.stdout)
+    assert [(c["policy"], c["length_mae_tokens"]) for c in capacities] == [
+        ("round_robin", None), ("block", 0.0), ("block", 150.0)]
+    assert all(c.keys() == {"policy", "length_mae_tokens", "capacity_rps", "capacity_rps_sd", "per_seed", "overload"}
+               for c in capacities)
+    assert all(0.5 <= c["capacity_rps"] < 8 and len(c["per_seed"]) == 2 for c in capacities)
+    overload_rate = 1.5 * capacities[0]["capacity_rps"]
+    assert all(c["overload"]["rate"] == pytest.approx(overload_rate) and 0 <= c["overload"]["goodput"] <= 1
+               for c in capacities)
+    assert (tmp_path / "cap" / "noise.png").read_bytes()[:4] == b"\x89PNG"
+    assert "MAE tokens" in (tmp_path / "cap" / "capacity.md").read_text()
 
 
 def test_step_lag_and_ingress_delay_are_what_the_run_measures() -> None:
@@ -172,3 +189,20 @@ def test_step_lag_and_ingress_delay_are_what_the_run_measures() -> None:
     fixed_waits = sorted(r.queue_wait_ms for r in plain.records)
     assert fixed_waits[-1] - fixed_waits[0] < 1.0   # constant ingress: every wait alike at this load
     assert 15 < waits[len(waits) // 2] < 30 and waits[-1] > 2 * waits[0]
+
+
+def test_perturbed_predictions_hit_the_asked_error_and_keep_the_spread_honest() -> None:
+    sample = _sample(400, seed=5, predictor="oracle")
+    truth = [min(r.true_output_tokens or 1, r.max_tokens) for r in sample.requests if r is not None]
+    exact = [r.prediction.predicted_output_tokens for r in perturb_predictions(sample, 0).requests if r and r.prediction]
+    assert exact == truth
+    for mae in (50.0, 150.0):
+        noisy = perturb_predictions(sample, mae)
+        assert noisy == perturb_predictions(sample, mae)  # seeded by the sample
+        predictions = [r.prediction for r in noisy.requests if r is not None and r.prediction is not None]
+        errors = [abs(p.predicted_output_tokens - t) for p, t in zip(predictions, truth, strict=True)]
+        assert sum(errors) / len(errors) == pytest.approx(mae, rel=0.03)
+        assert all(p.p10_tokens <= p.predicted_output_tokens <= p.p90_tokens for p in predictions)
+        assert all(p.predictor_version == f"perturbed-mae-{mae:g}" for p in predictions)
+    with pytest.raises(ValueError, match="length_mae_tokens"):
+        perturb_predictions(sample, -1)

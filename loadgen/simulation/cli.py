@@ -14,28 +14,27 @@ function of the inputs; the wall time and events/s go to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from loadgen.cli import add_bench_arguments, print_results
 from loadgen.metrics import KvSample, RequestRecord
 from loadgen.plots import run_key
-from loadgen.report import capacity_search, write_report
+from loadgen.report import write_report
+from loadgen.simulation.capacity import run_capacity
 from loadgen.simulation.config import SimulationConfig
-from loadgen.simulation.report import capacity_table, mean_sd, mean_sd_table
-from loadgen.simulation.runner import SimulatedRun, simulate_run
-from loadgen.simulation.workload import AnnotatedSample, annotate_sample, sample_trace
+from loadgen.simulation.plan import Progress, build_plan
+from loadgen.simulation.report import mean_sd_table
 
 
 def _seeds(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,83 +58,29 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock ms each step ends late (an emulator on a busy host; 0: a real engine)")
     parser.add_argument("--noise", type=float, default=SimulationConfig.noise_sigma,
                         help="lognormal sigma of step-time noise (0 disables)")
+    parser.add_argument("--length-mae-tokens", type=_floats, default=None,
+                        help="replace the predictions by the true lengths perturbed (lognormal) to this mean "
+                             "absolute error, in tokens (0: the true lengths); capacity mode: a comma-separated "
+                             "list, one capacity per value (a noise curve)")
+    parser.add_argument("--overload-factor", type=float, default=None,
+                        help="capacity mode: also run every policy at this multiple of the reference policy's "
+                             "capacity and report its goodput")
+    parser.add_argument("--overload-reference", default=None,
+                        help="the policy whose capacity --overload-factor multiplies (default: the first)")
     parser.add_argument("--best-effort", action="store_true",
                         help="serve every request however late: no 'infeasible' answers past the SLO")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What to run: the samples by seed and how to configure each cluster."""
-
-    args: argparse.Namespace
-    samples: dict[int, AnnotatedSample]
-
-    def config(self, policy: str, seed: int) -> SimulationConfig:
-        args = self.args
-        return SimulationConfig(
-            instances=args.instances, preset=args.preset, policy=policy, objective=args.objective or "e2e",
-            seed=seed, heartbeat_ms=args.heartbeat_ms, heartbeat_delay_ms=args.heartbeat_delay_ms,
-            decision_delay_ms=args.decision_delay_ms, ingress_delay_ms=args.ingress_delay_ms,
-            ingress_delay_sigma=args.ingress_delay_sigma,
-            queue_delay_ms=args.queue_delay_ms, noise_sigma=args.noise, slo_ttft_ms=args.slo_ttft_ms,
-            step_lag_ms=args.step_lag_ms, time_scale=args.time_scale, best_effort=args.best_effort)
-
-    def run(self, policy: str, rate: float, seed: int, progress: Progress) -> SimulatedRun:
-        started = time.perf_counter()
-        run = simulate_run(self.config(policy, seed), self.samples[seed], rate_per_s=rate,
-                           burstiness=self.args.burstiness, use_trace_times=self.args.trace_times,
-                           on_progress=progress.callback(f"{policy}@{rate:.4g} seed {seed}"))
-        progress.add_run(run.summary["events"], time.perf_counter() - started)
-        run.summary.update(predictor=self.args.predictor, trace=self.args.trace)
-        return run
-
-
-def build_plan(args: argparse.Namespace) -> Plan:
-    seeds = args.seeds or (args.seed,)
-    samples = {}
-    for seed in seeds:
-        trace_requests = sample_trace(args.trace, args.requests, seed, redraw=args.seeds is not None)
-        samples[seed] = annotate_sample(trace_requests, seed, predictor=args.predictor,
-                                        predictor_model=args.predictor_model)
-    return Plan(args, samples)
-
-
-class Progress:
-    """A tqdm bar over every request of every run (stderr), and the events counted."""
-
-    def __init__(self, total_requests: int, enabled: bool) -> None:
-        self.bar = tqdm(total=total_requests, unit="req", disable=not enabled, file=sys.stderr,
-                        mininterval=0.5, dynamic_ncols=True)
-        self.num_events = 0
-        self.num_runs = 0
-        self.simulating_s = 0.0  # wall time inside the simulations (not loading, predicting, reports)
-        self._done_in_run = 0
-
-    def add_run(self, num_events: int, wall_s: float) -> None:
-        self.num_events += num_events
-        self.num_runs += 1
-        self.simulating_s += wall_s
-
-    def callback(self, label: str) -> Callable[[int, int], None]:
-        self.bar.set_description(label)
-        self._done_in_run = 0
-
-        def advance(done: int, total: int) -> None:
-            self.bar.update(done - self._done_in_run)
-            self._done_in_run = done
-
-        return advance
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def run_simulate_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     plan = build_plan(args)
     if args.mode == "capacity":
-        return _run_capacity(args, plan, started)
+        _, progress = run_capacity(args, plan, args.out or _default_out("simulate-capacity"))
+        _report_speed(started, progress)
+        return 0
+    if len(plan.maes) > 1:
+        raise SystemExit("simulate: several --length-mae-tokens values need the capacity mode")
     seeds = list(plan.samples)
     progress = Progress(len(args.policies) * len(args.rates) * len(seeds) * args.requests, not args.no_progress)
     results: list[dict[str, Any]] = []
@@ -144,7 +89,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     for rate in args.rates:
         for policy in args.policies:
             for seed in seeds:
-                run = plan.run(policy, rate, seed, progress)
+                run = plan.run(policy, rate, seed, progress, plan.maes[0])
                 results.append(run.summary)
                 if seed == seeds[0]:  # the plots show the first seed's runs
                     per_request[run_key(policy, rate)] = run.records
@@ -156,47 +101,6 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     _report_speed(started, progress)
     print_results(results, [*files.values(), out_dir / "summary.md"], as_json=args.json, table=mean_sd_table(results))
     return 0
-
-
-def _run_capacity(args: argparse.Namespace, plan: Plan, started: float) -> int:
-    """Per policy and seed: the highest rate with P99 TTFT <= SLO, bisected to ±0.25 req/s."""
-    if len(args.rates) < 2:
-        raise SystemExit("simulate capacity: give --rates LOW,HIGH (the search range)")
-    low, high = min(args.rates), max(args.rates)
-    progress = Progress(0, not args.no_progress)
-    capacities: list[dict[str, Any]] = []
-    all_runs: list[dict[str, Any]] = []
-    for policy in args.policies:
-        per_seed = []
-        for seed in plan.samples:
-            def run_at(rate: float, policy: str = policy, seed: int = seed) -> dict[str, Any]:
-                progress.bar.total = (progress.bar.total or 0) + args.requests
-                return plan.run(policy, rate, seed, progress).summary
-
-            capacity, runs = capacity_search(run_at, low=low, high=high, slo_ttft_p99_ms=args.slo_ttft_ms,
-                                             tolerance=args.capacity_tolerance,
-                                             max_iterations=args.capacity_iterations)
-            per_seed.append({"seed": seed, "capacity_rps": capacity,
-                             "runs": [{k: r.get(k) for k in ("rate", "ttft_p99_ms", "ttft_mean_ms")} for r in runs]})
-            all_runs.extend(runs)
-        capacities.append(_capacity_entry(policy, per_seed))
-    progress.close()
-    out_dir = args.out or _default_out("simulate-capacity")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "capacity.json").write_text(json.dumps({"capacities": capacities, "runs": all_runs},
-                                                      indent=1, default=str) + "\n")
-    (out_dir / "capacity.md").write_text(capacity_table(capacities, args.slo_ttft_ms))
-    _report_speed(started, progress)
-    if args.json:
-        sys.stdout.write(json.dumps(capacities, indent=2) + "\n")
-    else:
-        sys.stdout.write(capacity_table(capacities, args.slo_ttft_ms) + "\n")
-    return 0
-
-
-def _capacity_entry(policy: str, per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    mean, sd = mean_sd([entry["capacity_rps"] for entry in per_seed])
-    return {"policy": policy, "capacity_rps": mean, "capacity_rps_sd": sd, "per_seed": list(per_seed)}
 
 
 def _default_out(name: str) -> Path:

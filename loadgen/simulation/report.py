@@ -52,9 +52,30 @@ def mean_sd_table(results: Sequence[Mapping[str, Any]]) -> str:
 
 
 def capacity_table(capacities: Sequence[Mapping[str, Any]], slo_ttft_ms: float) -> str:
-    """Capacity per policy (mean ± sd over seeds) and each seed's figure."""
-    lines = [f"| policy | capacity req/s (P99 TTFT <= {slo_ttft_ms:g} ms) | per seed |", "|---|---|---|"]
+    """Capacity per policy (mean ± sd over seeds) and each seed's figure; a prediction
+    error column when some entry has one, overload columns when some entry was run there."""
+    with_mae = any(item.get("length_mae_tokens") is not None for item in capacities)
+    overload = next((item["overload"] for item in capacities if item.get("overload")), None)
+    header = ["policy", *(["MAE tokens"] if with_mae else []), f"capacity req/s (P99 TTFT <= {slo_ttft_ms:g} ms)",
+              "per seed"]
+    if overload is not None:
+        rate = overload["rate"]
+        header += [f"goodput % @{rate:.2f}", f"infeasible % @{rate:.2f}", f"TTFT mean ms @{rate:.2f}"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for item in capacities:
         per_seed = ", ".join(f"{entry['seed']}: {entry['capacity_rps']:.2f}" for entry in item["per_seed"])
-        lines.append(f"| {item['policy']} | {item['capacity_rps']:.2f} ± {item['capacity_rps_sd']:.2f} | {per_seed} |")
+        mae = item.get("length_mae_tokens")
+        cells = [str(item["policy"]), *([("–" if mae is None else f"{mae:g}")] if with_mae else []),
+                 f"{item['capacity_rps']:.2f} ± {item['capacity_rps_sd']:.2f}", per_seed]
+        if overload is not None:
+            figures = item.get("overload") or {}
+            cells += [_mean_sd_cell(figures, "goodput", 100.0, 1), _mean_sd_cell(figures, "infeasible", 100.0, 1),
+                      _mean_sd_cell(figures, "ttft_mean_ms", 1.0, 0)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _mean_sd_cell(figures: Mapping[str, Any], key: str, scale: float, decimals: int) -> str:
+    if figures.get(key) is None:
+        return "–"
+    return f"{figures[key] * scale:,.{decimals}f} ± {(figures.get(key + '_sd') or 0.0) * scale:,.{decimals}f}"

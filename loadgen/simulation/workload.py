@@ -9,9 +9,12 @@ annotated once (in the predictor stage's batches, through its own
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from blockq.keys import Keys
 from blockq.protocol import Request
@@ -84,3 +87,47 @@ def arrivals_for(sample: AnnotatedSample, *, rate_per_s: float | None, burstines
 def submitted(request: Request, submitted_at_s: float) -> Request:
     """``request`` as submitted at ``submitted_at_s`` (the simulation's clock)."""
     return dataclasses.replace(request, submitted_at_s=submitted_at_s)
+
+
+# z of the 10th / 90th percentile of a standard normal: the spread reported with a
+# perturbed prediction is the noise's own.
+_Z90 = 1.2815515655446004
+
+
+def perturb_predictions(sample: AnnotatedSample, mae_tokens: float) -> AnnotatedSample:
+    """``sample`` with every prediction replaced by the request's true output length
+    times ``exp(sigma * z)`` (z standard normal, drawn with the sample's seed), sigma set
+    by bisection so that the mean absolute error over the sample is ``mae_tokens``
+    (0: the true lengths). Errors grow with the length, as a real predictor's do; p10 /
+    p90 are the noise's own quantiles around the perturbed median. Benchmarks only: it
+    reads ``true_output_tokens``."""
+    if mae_tokens < 0:
+        raise ValueError(f"length_mae_tokens: must be >= 0 (got {mae_tokens})")
+    indexes = [i for i, request in enumerate(sample.requests) if request is not None and request.prediction]
+    truth = np.array([min(sample.requests[i].true_output_tokens or 1, sample.requests[i].max_tokens)  # type: ignore[union-attr]
+                      for i in indexes], dtype=np.float64)
+    z = np.random.default_rng(sample.seed).standard_normal(len(indexes))
+
+    def predicted(sigma: float) -> np.ndarray:
+        return np.maximum(1.0, np.round(truth * np.exp(sigma * z)))
+
+    low, high = 0.0, 8.0
+    for _ in range(60):  # MAE grows with sigma: bisect
+        middle = (low + high) / 2
+        if np.abs(predicted(middle) - truth).mean() < mae_tokens:
+            low = middle
+        else:
+            high = middle
+    sigma = (low + high) / 2 if mae_tokens > 0 else 0.0
+    medians = predicted(sigma)
+    requests = list(sample.requests)
+    spread = math.exp(_Z90 * sigma)
+    for i, median in zip(indexes, medians, strict=True):
+        request = requests[i]
+        assert request is not None and request.prediction is not None
+        p50 = int(min(median, request.max_tokens))
+        requests[i] = request.with_prediction(dataclasses.replace(
+            request.prediction, predicted_output_tokens=p50, p10_tokens=max(1, int(p50 / spread)),
+            p90_tokens=min(request.max_tokens, max(p50, math.ceil(p50 * spread))),
+            predictor_version=f"perturbed-mae-{mae_tokens:g}"))
+    return dataclasses.replace(sample, requests=tuple(requests))

@@ -1,0 +1,113 @@
+"""What a ``blockq simulate`` command runs: the annotated samples by seed (and by
+prediction error, for noise curves), each cluster's configuration, and the progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from dispatcher.policies import policy_spec
+from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.runner import SimulatedRun, simulate_run
+from loadgen.simulation.workload import (
+    AnnotatedSample,
+    annotate_sample,
+    perturb_predictions,
+    sample_trace,
+)
+
+
+class Progress:
+    """A tqdm bar over every request of every run (stderr), and the events counted."""
+
+    def __init__(self, total_requests: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total_requests, unit="req", disable=not enabled, file=sys.stderr,
+                        mininterval=0.5, dynamic_ncols=True)
+        self.num_events = 0
+        self.num_runs = 0
+        self.simulating_s = 0.0  # wall time inside the simulations (not loading, predicting, reports)
+        self._done_in_run = 0
+
+    def add_run(self, num_events: int, wall_s: float) -> None:
+        self.num_events += num_events
+        self.num_runs += 1
+        self.simulating_s += wall_s
+
+    def callback(self, label: str) -> Callable[[int, int], None]:
+        self.bar.set_description(label)
+        self._done_in_run = 0
+
+        def advance(done: int, total: int) -> None:
+            self.bar.update(done - self._done_in_run)
+            self._done_in_run = done
+
+        return advance
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@dataclass
+class Plan:
+    """What to run: the samples by seed and how to configure each cluster. Samples with
+    perturbed predictions (``mae_tokens``) are made from the seed's sample on first use."""
+
+    args: argparse.Namespace
+    samples: dict[int, AnnotatedSample]
+    _perturbed: dict[tuple[int, float], AnnotatedSample] = field(default_factory=dict)
+
+    @property
+    def maes(self) -> list[float | None]:
+        """The prediction errors to run at (None: the predictor's own predictions)."""
+        return list(self.args.length_mae_tokens) if self.args.length_mae_tokens else [None]
+
+    def config(self, policy: str, seed: int) -> SimulationConfig:
+        args = self.args
+        return SimulationConfig(
+            instances=args.instances, preset=args.preset, policy=policy, objective=args.objective or "e2e",
+            seed=seed, heartbeat_ms=args.heartbeat_ms, heartbeat_delay_ms=args.heartbeat_delay_ms,
+            decision_delay_ms=args.decision_delay_ms, ingress_delay_ms=args.ingress_delay_ms,
+            ingress_delay_sigma=args.ingress_delay_sigma,
+            queue_delay_ms=args.queue_delay_ms, noise_sigma=args.noise, slo_ttft_ms=args.slo_ttft_ms,
+            step_lag_ms=args.step_lag_ms, time_scale=args.time_scale, best_effort=args.best_effort)
+
+    def sample(self, seed: int, mae_tokens: float | None) -> AnnotatedSample:
+        if mae_tokens is None:
+            return self.samples[seed]
+        key = (seed, mae_tokens)
+        if key not in self._perturbed:
+            self._perturbed[key] = perturb_predictions(self.samples[seed], mae_tokens)
+        return self._perturbed[key]
+
+    def run(self, policy: str, rate: float, seed: int, progress: Progress,
+            mae_tokens: float | None = None) -> SimulatedRun:
+        started = time.perf_counter()
+        label = f"{policy}@{rate:.4g} seed {seed}" + (f" MAE {mae_tokens:g}" if mae_tokens is not None else "")
+        run = simulate_run(self.config(policy, seed), self.sample(seed, mae_tokens), rate_per_s=rate,
+                           burstiness=self.args.burstiness, use_trace_times=self.args.trace_times,
+                           on_progress=progress.callback(label))
+        progress.add_run(run.summary["events"], time.perf_counter() - started)
+        run.summary.update(predictor=self.args.predictor, trace=self.args.trace, length_mae_tokens=mae_tokens)
+        return run
+
+
+def reads_predictions(policy: str) -> bool:
+    """Whether ``policy``'s decisions depend on the predicted lengths (it simulates with
+    them); the others need one run per seed whatever the prediction error."""
+    spec = policy_spec(policy)
+    return spec.simulates and spec.lengths != "truth"
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    seeds = args.seeds or (args.seed,)
+    samples = {}
+    for seed in seeds:
+        trace_requests = sample_trace(args.trace, args.requests, seed, redraw=args.seeds is not None)
+        samples[seed] = annotate_sample(trace_requests, seed, predictor=args.predictor,
+                                        predictor_model=args.predictor_model)
+    return Plan(args, samples)
