@@ -1,9 +1,13 @@
-"""``train`` and ``eval`` commands of the predictor, for an argparse subparsers object.
+"""The predictor's ``train``, ``eval`` and ``split`` commands, for argparse subparsers.
 
 The ``blockq`` CLI mounts them under ``blockq predictor``::
 
     blockq predictor train --data sharegpt_train.json.gz --backend fast --out models/fast
     blockq predictor eval --model models/fast --data sharegpt_train.json.gz --json
+    blockq predictor split --data sharegpt_train.json.gz --split val --out sharegpt_val.json.gz
+
+``split`` writes the held-out conversations (or the training ones) as a ShareGPT file, for
+benchmarks on prompts the model did not train on.
 
 ``eval --json`` prints exactly one JSON object on stdout: ``count``, ``mae``, ``mape``,
 ``acc50``, ``acc100``, ``median_ae``, ``kendall_tau``, ``predictions_per_s``,
@@ -21,11 +25,12 @@ import os
 import sys
 from typing import Any
 
+from predictor_service.dataset import DEFAULT_VAL_FRACTION
 from predictor_service.metrics import METRIC_KEYS
 
 
 def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
-    """Register ``train`` and ``eval`` (each sets ``handler`` to its function)."""
+    """Register ``train``, ``eval`` and ``split`` (each sets ``handler`` to its function)."""
     train_parser = subparsers.add_parser(
         "train", help="train an output-length model on a ShareGPT file"
     )
@@ -34,7 +39,10 @@ def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
     train_parser.add_argument("--out", required=True, help="model directory to write")
     train_parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     train_parser.add_argument(
-        "--val-fraction", type=float, default=0.1, help="share of conversations held out (0.1)"
+        "--val-fraction",
+        type=float,
+        default=DEFAULT_VAL_FRACTION,
+        help=f"share of conversations held out ({DEFAULT_VAL_FRACTION})",
     )
     train_parser.add_argument(
         "--multi-turn", action="store_true", help="also train on later human->gpt turns"
@@ -75,6 +83,20 @@ def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
     eval_parser.add_argument("--max-examples", type=int, help="read at most this many prompts")
     eval_parser.add_argument("--json", action="store_true", help="print one JSON object")
     eval_parser.set_defaults(handler=handle_eval)
+
+    split_parser = subparsers.add_parser(
+        "split", help="write one side of the training split (benchmarks on unseen prompts)"
+    )
+    split_parser.add_argument("--data", required=True, help="ShareGPT JSON file (plain or .gz)")
+    split_parser.add_argument("--split", required=True, choices=("val", "train"))
+    split_parser.add_argument("--out", required=True, help="ShareGPT file to write (.gz: gzip)")
+    split_parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=DEFAULT_VAL_FRACTION,
+        help=f"as given to train (default {DEFAULT_VAL_FRACTION}, train's default)",
+    )
+    split_parser.set_defaults(handler=handle_split)
 
 
 def _json_safe(value: Any) -> Any:
@@ -171,8 +193,18 @@ def handle_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def handle_split(args: argparse.Namespace) -> int:
+    """Run ``split``: the conversations of one side, for benchmarks on unseen prompts."""
+    from predictor_service.dataset import write_split
+
+    _log_to_stderr()
+    count = write_split(args.data, args.out, args.split, args.val_fraction)
+    sys.stdout.write(f"wrote {count} {args.split} conversations -> {args.out}\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: ``python -m predictor_service.cli train|eval ...``."""
+    """Stand-alone entry: ``python -m predictor_service.cli train|eval|split ...``."""
     parser = argparse.ArgumentParser(prog="blockq predictor")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_predictor_commands(subparsers)

@@ -9,17 +9,20 @@ on the same side and the split never changes between runs or machines.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 import structlog
 
-from blockq.sharegpt import iter_pairs
+from blockq.sharegpt import iter_conversations, iter_pairs
 from blockq.tokenizer import TokenCounter
 from predictor_service.models.base import PredictionInput
 
@@ -128,12 +131,16 @@ def load_examples(
     return examples
 
 
+def _check_val_fraction(val_fraction: float) -> None:
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction: must be in [0, 1) (got {val_fraction})")
+
+
 def split_examples(
     examples: Sequence[LengthExample], val_fraction: float = DEFAULT_VAL_FRACTION
 ) -> tuple[tuple[LengthExample, ...], tuple[LengthExample, ...]]:
     """Split into (train, val) by :func:`is_validation_conversation`."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction: must be in [0, 1) (got {val_fraction})")
+    _check_val_fraction(val_fraction)
     train: list[LengthExample] = []
     val: list[LengthExample] = []
     for example in examples:
@@ -161,3 +168,62 @@ def load_split(
 def output_tokens_array(examples: Sequence[LengthExample]) -> npt.NDArray[np.float64]:
     """The true output lengths (tokens) of ``examples`` as a float array."""
     return np.array([example.output_tokens for example in examples], dtype=np.float64)
+
+
+def _check_side(side: str) -> None:
+    if side not in ("train", "val"):
+        raise ValueError(f"side: must be 'train' or 'val' (got {side!r})")
+
+
+def select_conversations(
+    records: Iterable[dict[str, Any]],
+    side: Literal["train", "val"],
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+) -> Iterator[dict[str, Any]]:
+    """The records of one side of the train/val split, in order (arguments unchecked).
+
+    The conversation id is the one training uses (``id``, else ``record-<index>``, as in
+    :func:`blockq.sharegpt.pairs_of_conversation`); a record without ``id`` gets that id
+    written in, so its id, hence its side, stays the same when the output is read again.
+    """
+    for index, record in enumerate(records):
+        conversation_id = str(record.get("id", f"record-{index}"))
+        if is_validation_conversation(conversation_id, val_fraction) == (side == "val"):
+            yield record if "id" in record else {"id": conversation_id, **record}
+
+
+def write_split(
+    data_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    side: Literal["train", "val"],
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+) -> int:
+    """Write one side of the training split of a ShareGPT file; return the count written.
+
+    For benchmarks on prompts the model did not train on: with the ``val_fraction`` of
+    ``train`` (default the same), ``side="val"`` writes exactly the held-out conversations.
+    Records are read with the training's reader and written unchanged, as a ShareGPT JSON
+    array (gzip when ``out_path`` ends in ``.gz``). Caveat: training deduplicates prompts
+    across the whole file, so a held-out conversation whose prompt text repeats an earlier
+    training conversation's (ShareGPT has such copies) is written here although the model
+    trained on that text.
+    """
+    _check_side(side)
+    _check_val_fraction(val_fraction)
+    if not Path(data_path).is_file():
+        raise FileNotFoundError(f"ShareGPT data file not found: {data_path}")
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    opener = gzip.open if out.suffix == ".gz" else open
+    count = 0
+    with opener(partial, "wt", encoding="utf-8") as stream:
+        stream.write("[")
+        for record in select_conversations(iter_conversations(data_path), side, val_fraction):
+            stream.write(",\n" if count else "\n")
+            stream.write(json.dumps(record, ensure_ascii=False))
+            count += 1
+        stream.write("\n]\n")
+    partial.replace(out)
+    logger.info("split_written", path=str(out), side=side, num_conversations=count)
+    return count
