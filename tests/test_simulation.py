@@ -206,3 +206,13 @@ def test_perturbed_predictions_hit_the_asked_error_and_keep_the_spread_honest() 
         assert all(p.predictor_version == f"perturbed-mae-{mae:g}" for p in predictions)
     with pytest.raises(ValueError, match="length_mae_tokens"):
         perturb_predictions(sample, -1)
+
+
+def test_a_trace_smaller_than_the_run_is_drawn_with_replacement(tmp_path: Path) -> None:
+    trace = tmp_path / "small.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{10 + i},{20 + i}\n" for i in range(5)))
+    drawn = sample_trace(str(trace), 12, 1, redraw=True)
+    assert len(drawn) == 12 and len({id(r) for r in drawn}) == 12
+    assert {r.prompt_tokens for r in drawn} <= {10, 11, 12, 13, 14}
+    sample = annotate_sample(drawn, 1)
+    assert sorted(index for _, index in arrivals_for(sample, rate_per_s=4.0)) == list(range(12))

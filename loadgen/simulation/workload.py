@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 
 from blockq.keys import Keys
 from blockq.protocol import Request
@@ -24,6 +25,8 @@ from loadgen.replay import ReplayOptions, max_tokens_for
 from loadgen.traces import TraceRequest, load_trace
 from predictor_service.models import LengthPredictor, load_predictor
 from predictor_service.stage import StageOptions, annotate, prediction_inputs
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,17 @@ class AnnotatedSample:
 
 def sample_trace(trace: str, num_requests: int, seed: int, *, redraw: bool) -> list[TraceRequest]:
     """``num_requests`` requests of ``trace``: the first ones, as ``blockq bench`` replays
-    them, or with ``redraw`` a random sample (in random order) drawn with ``seed``."""
+    them, or with ``redraw`` a random sample (in random order) drawn with ``seed`` — with
+    replacement when the trace holds fewer requests than asked (logged), so that a small
+    trace (a held-out split) still makes runs of the asked size."""
     if not redraw:
         return load_trace(trace, limit=num_requests, seed=seed)
     pool = load_trace(trace, limit=None if trace != "synthetic" else num_requests, seed=seed)
-    if len(pool) <= num_requests:
-        return random.Random(seed).sample(pool, len(pool))
+    if len(pool) < num_requests:
+        log.warning("trace_resampled_with_replacement", trace=trace, num_in_trace=len(pool),
+                    num_requests=num_requests)
+        # Copies: each drawn request is its own object (arrivals are matched by identity).
+        return [dataclasses.replace(request) for request in random.Random(seed).choices(pool, k=num_requests)]
     return random.Random(seed).sample(pool, num_requests)
 
 
