@@ -77,7 +77,8 @@ class DispatcherCore:
                  slo_ttft_ms: float | None = None) -> None:
         self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy,
                               resync_interval_s=resync_interval_s)
-        self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective)
+        self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective,
+                                          slo_ttft_ms=slo_ttft_ms)
         self.timer = timer
         self.slo_ttft_ms = slo_ttft_ms
         self.stats = CoreStats()
@@ -156,7 +157,9 @@ class DispatcherCore:
                 self.stats.num_held += 1
                 return Held(request)
             decision_ms = (self.timer() - started) * 1000 if self.timer is not None else 0.0
-            infeasible = judge(request, decision, now_s, self.slo_ttft_ms) if admit else None
+            chosen = self.view.instances[decision.instance_id]
+            infeasible = judge(request, decision, now_s, self.slo_ttft_ms,
+                               queue_seen=chosen.num_waiting > 0) if admit else None
             if infeasible is not None:
                 self.stats.num_infeasible += 1
                 return infeasible

@@ -1,7 +1,7 @@
 """Placement policies, registered by name in one place.
 
 Each factory receives its dependencies (the cluster view, a seeded random generator, the
-objective) and returns an object with ``name`` and ``choose(request, candidates, now_s)``.
+:class:`PolicyOptions`) and returns an object with ``name`` and ``choose(request, candidates, now_s)``.
 The view is built for the policy from its :class:`PolicySpec` (:func:`make_view`); a policy
 never changes what the view keeps.
 """
@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dispatcher.cluster_view import ClusterView
-from dispatcher.policies.base import Decision, Policy
+from dispatcher.policies.base import Decision, Policy, PolicyOptions
 from dispatcher.policies.late import BlockLate
 from dispatcher.policies.load import LeastKv, Llumnix
 from dispatcher.policies.predictive import Block, BlockKvGuard, Oracle, PowerOfTwo
 from dispatcher.policies.simple import LeastRequests, RandomChoice, RoundRobin
 
-PolicyFactory = Callable[[ClusterView, random.Random, str], Policy]
+PolicyFactory = Callable[[ClusterView, random.Random, PolicyOptions], Policy]
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,11 @@ class PolicySpec:
 
 
 POLICIES: dict[str, PolicySpec] = {
-    "round_robin": PolicySpec(lambda view, rng, objective: RoundRobin(rng)),
-    "random": PolicySpec(lambda view, rng, objective: RandomChoice(rng)),
-    "least_requests": PolicySpec(lambda view, rng, objective: LeastRequests(rng)),
-    "least_kv": PolicySpec(lambda view, rng, objective: LeastKv(rng)),
-    "llumnix": PolicySpec(lambda view, rng, objective: Llumnix(rng)),
+    "round_robin": PolicySpec(lambda view, rng, options: RoundRobin(rng)),
+    "random": PolicySpec(lambda view, rng, options: RandomChoice(rng)),
+    "least_requests": PolicySpec(lambda view, rng, options: LeastRequests(rng)),
+    "least_kv": PolicySpec(lambda view, rng, options: LeastKv(rng)),
+    "llumnix": PolicySpec(lambda view, rng, options: Llumnix(rng)),
     "power_of_two": PolicySpec(PowerOfTwo, simulates=True),
     "block": PolicySpec(Block, simulates=True),
     "block_kv_guard": PolicySpec(BlockKvGuard, simulates=True),
@@ -63,10 +63,11 @@ def make_view(name: str, *, lengths: str | None = None, **options: object) -> Cl
 
 
 def make_policy(name: str, view: ClusterView | None = None, *, seed: int | None = None,
-                objective: str = "e2e") -> Policy:
+                objective: str = "e2e", slo_ttft_ms: float | None = None) -> Policy:
     """The policy registered as ``name`` on ``view`` (a new one for it when None)."""
     spec = policy_spec(name)
-    return spec.factory(view if view is not None else make_view(name), random.Random(seed), objective)
+    return spec.factory(view if view is not None else make_view(name), random.Random(seed),
+                        PolicyOptions(objective=objective, slo_ttft_ms=slo_ttft_ms))
 
 
-__all__ = ["Decision", "Policy", "POLICIES", "PolicySpec", "make_policy", "make_view", "policy_spec"]
+__all__ = ["Decision", "Policy", "PolicyOptions", "POLICIES", "PolicySpec", "make_policy", "make_view", "policy_spec"]

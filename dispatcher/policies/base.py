@@ -19,6 +19,16 @@ class Decision:
     predicted_e2e_ms: float | None = None
 
 
+@dataclass(frozen=True)
+class PolicyOptions:
+    """What a policy is told at construction: the objective it scores by (policies that
+    simulate) and the TTFT objective of interactive requests that carry none (None: none;
+    see :mod:`dispatcher.admission`)."""
+
+    objective: str = "e2e"
+    slo_ttft_ms: float | None = None
+
+
 class Policy(Protocol):
     name: str
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 from blockq.protocol import Request
+from dispatcher.admission import ttft_slo_ms
 from dispatcher.cluster_view import ClusterView, InstanceView
 from dispatcher.forecast import OBJECTIVES, Forecast, forecast
-from dispatcher.policies.base import Decision
+from dispatcher.policies.base import Decision, PolicyOptions
 
 
 class Block:
@@ -28,12 +30,14 @@ class Block:
     name = "block"
     kv_guard_candidates = 0
 
-    def __init__(self, view: ClusterView, rng: random.Random, objective: str = "e2e") -> None:
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective: must be one of {', '.join(OBJECTIVES)} (got {objective!r})")
+    def __init__(self, view: ClusterView, rng: random.Random, options: PolicyOptions | None = None) -> None:
+        options = options or PolicyOptions()
+        if options.objective not in OBJECTIVES:
+            raise ValueError(f"objective: must be one of {', '.join(OBJECTIVES)} (got {options.objective!r})")
         self.view = view
         self.rng = rng
-        self.objective = objective
+        self.objective = options.objective
+        self.slo_ttft_ms = options.slo_ttft_ms
 
     def forecast(self, request: Request, candidate: InstanceView, now_s: float) -> Forecast:
         replica = self.view.replica(candidate, now_s)
@@ -55,6 +59,7 @@ class Block:
             key = (round(candidate_forecast.score(self.objective), 9), self.rng.random())
             ranked.append((key, candidate_forecast, candidate, replica))
         ranked.sort(key=lambda item: item[0])
+        ranked = self._meeting_the_slo_first(request, ranked, now_s)
         _, chosen_forecast, chosen, _ = ranked[0]
         for _, candidate_forecast, candidate, replica in ranked[:self.kv_guard_candidates]:
             upper_size = replica.request_size(request, lengths="upper")
@@ -66,6 +71,24 @@ class Block:
                 break
         return Decision(chosen.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
                         predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
+
+
+    def _meeting_the_slo_first(self, request: Request, ranked: list[Any], now_s: float) -> list[Any]:
+        """The candidates predicted to meet the request's TTFT objective, best score
+        first, then the others by predicted TTFT: the objective decides only among
+        placements that keep the SLO (it may prefer a full instance where the request
+        would wait), and when none does, the best predicted TTFT is the figure the
+        request is judged by (:mod:`dispatcher.admission`). A ``best_effort`` request is
+        never refused, but it too goes where it is predicted to meet its objective."""
+        slo_ms = ttft_slo_ms(request, self.slo_ttft_ms)
+        if slo_ms is None:
+            return ranked
+        budget_s = slo_ms / 1000 - max(0.0, now_s - request.submitted_at_s)
+        meeting = [item for item in ranked if item[1].ttft_s <= budget_s]
+        if len(meeting) == len(ranked):
+            return ranked
+        missing = sorted((item for item in ranked if item[1].ttft_s > budget_s), key=lambda item: item[1].ttft_s)
+        return meeting + missing if meeting else missing
 
 
 class BlockKvGuard(Block):

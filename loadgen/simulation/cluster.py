@@ -58,7 +58,7 @@ class ClusterSimulation:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.core = DispatcherCore(config.policy, seed=config.seed, objective=config.objective,
-                                   slo_ttft_ms=None if config.best_effort else config.slo_ttft_ms)
+                                   slo_ttft_ms=config.slo_ttft_ms)
         rng = random.Random(config.seed)
         worker_options = WorkerOptions(bundle_size=config.bundle_size, idle_poll_ms=int(config.idle_poll_ms))
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instances' wall clock

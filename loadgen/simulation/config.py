@@ -44,8 +44,8 @@ class SimulationConfig:
     request, so that the dispatcher knows them all. ``time_scale``: wall seconds per model
     second of the engines (see the module docstring). ``slo_ttft_ms``: the TTFT objective
     the summaries count goodput against and the dispatcher judges placements by
-    (:mod:`dispatcher.admission`); ``best_effort``: every request is served however late
-    (none is answered ``infeasible``), as clients that send ``best_effort`` ask.
+    (:mod:`dispatcher.admission`); ``best_effort``: every request is submitted with
+    ``best_effort`` (served however late: none is answered ``infeasible``).
     """
 
     instances: int = 12

@@ -32,7 +32,7 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
     schedule = arrivals_for(sample, rate_per_s=rate_per_s, burstiness=burstiness, use_trace_times=use_trace_times)
     simulation = ClusterSimulation(config)
     origin_s = config.warmup_s  # the first request is submitted after the warm-up
-    arrivals = [(offset_s, submitted(request, origin_s + offset_s * config.time_scale))
+    arrivals = [(offset_s, submitted(request, origin_s + offset_s * config.time_scale, best_effort=config.best_effort))
                 for offset_s, index in schedule
                 if (request := sample.requests[index]) is not None]
     result = simulation.run(arrivals, on_progress)

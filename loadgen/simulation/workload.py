@@ -92,9 +92,10 @@ def arrivals_for(sample: AnnotatedSample, *, rate_per_s: float | None, burstines
     return [(offset_s, position[id(request)]) for offset_s, request in schedule]
 
 
-def submitted(request: Request, submitted_at_s: float) -> Request:
-    """``request`` as submitted at ``submitted_at_s`` (the simulation's clock)."""
-    return dataclasses.replace(request, submitted_at_s=submitted_at_s)
+def submitted(request: Request, submitted_at_s: float, *, best_effort: bool = False) -> Request:
+    """``request`` as submitted at ``submitted_at_s`` (the simulation's clock), asking
+    ``best_effort`` (never answered ``infeasible``) when told."""
+    return dataclasses.replace(request, submitted_at_s=submitted_at_s, best_effort=best_effort)
 
 
 # z of the 10th / 90th percentile of a standard normal: the spread reported with a
