@@ -44,15 +44,12 @@ def ttft_slo_ms(request: Request, default_slo_ttft_ms: float | None) -> float | 
 
 
 def judge(request: Request, decision: Decision, now_s: float,
-          default_slo_ttft_ms: float | None, *, queue_seen: bool = True) -> Infeasible | None:
-    """None when ``request`` may go where ``decision`` says; otherwise why not.
-    ``queue_seen``: the chosen instance's last beat shows requests waiting; without it,
-    the forecast alone refuses nothing (only the time already waited does)."""
+          default_slo_ttft_ms: float | None) -> Infeasible | None:
+    """None when ``request`` may go where ``decision`` says; otherwise why not."""
     if request.best_effort:
         return None
     waited_ms = max(0.0, now_s - request.submitted_at_s) * 1000
-    forecast_ms = decision.predicted_ttft_ms if queue_seen else None
-    ttft_ms = waited_ms + (forecast_ms or 0.0)
+    ttft_ms = waited_ms + (decision.predicted_ttft_ms or 0.0)
     e2e_ms = waited_ms + decision.predicted_e2e_ms if decision.predicted_e2e_ms is not None else None
     slo_ms = ttft_slo_ms(request, default_slo_ttft_ms)
     if slo_ms is not None and ttft_ms > slo_ms:

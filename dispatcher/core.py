@@ -157,9 +157,7 @@ class DispatcherCore:
                 self.stats.num_held += 1
                 return Held(request)
             decision_ms = (self.timer() - started) * 1000 if self.timer is not None else 0.0
-            chosen = self.view.instances[decision.instance_id]
-            infeasible = judge(request, decision, now_s, self.slo_ttft_ms,
-                               queue_seen=chosen.num_waiting > 0) if admit else None
+            infeasible = judge(request, decision, now_s, self.slo_ttft_ms) if admit else None
             if infeasible is not None:
                 self.stats.num_infeasible += 1
                 return infeasible
