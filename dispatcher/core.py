@@ -122,17 +122,10 @@ class DispatcherCore:
     # --- placement ----------------------------------------------------------------------
 
     def place(self, requests: Sequence[Request], now_s: float) -> list[Outcome]:
-        """Place ``requests`` in order (or in the policy's ``order``, when it has one),
-        each decision seeing the ones before it; one outcome per request, in the order
-        given."""
+        """Place ``requests`` in order, each decision seeing the ones before it; one
+        outcome per request, in the order given."""
         live = self.view.live_instances()
-        order = getattr(self.policy, "order", None)
-        if order is None:
-            return [self._place_one(request, live, now_s) for request in requests]
-        # A policy that orders what it is offered (late binding) decides in its order;
-        # the outcomes are still returned in the order given.
-        outcomes = {id(request): self._place_one(request, live, now_s) for request in order(requests, now_s)}
-        return [outcomes[id(request)] for request in requests]
+        return [self._place_one(request, live, now_s) for request in requests]
 
     def replace_unstarted(self, instance_id: str, requests: Sequence[Request], now_s: float) -> list[Outcome]:
         """Place again the requests an instance received but never started (it died or is
@@ -153,9 +146,6 @@ class DispatcherCore:
         started = self.timer() if self.timer is not None else 0.0
         try:
             decision = self.policy.choose(request, candidates, now_s)
-            if decision is None:
-                self.stats.num_held += 1
-                return Held(request)
             decision_ms = (self.timer() - started) * 1000 if self.timer is not None else 0.0
             infeasible = judge(request, decision, now_s, self.slo_ttft_ms) if admit else None
             if infeasible is not None:

@@ -7,9 +7,8 @@ import dataclasses
 
 import pytest
 
-from blockq.protocol import Heartbeat, Prediction, RequestProgress
+from blockq.protocol import Prediction
 from dispatcher.core import DispatcherCore, Held, Placed, Rejected
-from dispatcher.policies.late import MAX_HOLD_S
 from tests.factories import make_heartbeat, make_request
 
 
@@ -72,35 +71,3 @@ def test_held_without_instances_and_unstarted_requests_move_elsewhere() -> None:
     assert len(core.view.instances["b"].assigned_not_seen) == 4
 
 
-def full_instance_beat(instance_id: str) -> Heartbeat:
-    """An instance whose 48 sequence slots are all taken."""
-    running = tuple(RequestProgress(f"{instance_id}-run{i}", 20, 24, 5, 200, 400) for i in range(48))
-    return make_heartbeat(instance_id, sent_at_s=0.0, running=running, num_used_blocks=48 * 2)
-
-
-def test_late_binding_holds_until_an_instance_can_start_the_request() -> None:
-    core = DispatcherCore("block_late", seed=0)
-    core.apply_heartbeat(full_instance_beat("a"), 0.0)
-    fresh = dataclasses.replace(make_request(predicted=50), submitted_at_s=0.0)
-    (outcome,) = core.place([fresh], 0.0)
-    assert isinstance(outcome, Held)  # no free slot anywhere: the request keeps its options open
-    # Waited past the hold limit: placed where block would place it, queue or not.
-    (outcome,) = core.place([fresh], MAX_HOLD_S)
-    assert isinstance(outcome, Placed) and outcome.request.assignment.instance_id == "a"
-    # An instance that can start it now takes it at once.
-    core.apply_heartbeat(make_heartbeat("b", sent_at_s=0.0), 0.0)
-    (outcome,) = core.place([dataclasses.replace(make_request(predicted=50), submitted_at_s=0.0)], 0.0)
-    assert isinstance(outcome, Placed) and outcome.request.assignment.instance_id == "b"
-
-
-def test_late_binding_offers_shortest_predicted_first_with_aging() -> None:
-    core = DispatcherCore("block_late", seed=0)
-    long_now = dataclasses.replace(make_request(predicted=300), submitted_at_s=10.0)
-    short_now = dataclasses.replace(make_request(predicted=50), submitted_at_s=10.0)
-    aged = dataclasses.replace(make_request(predicted=120), submitted_at_s=8.0)  # 2 s: 200 tokens of age
-    assert core.policy.order([long_now, short_now, aged], 10.0) == [aged, short_now, long_now]
-    # One free slot: the first in that order gets it; outcomes come back in the order given.
-    beat = full_instance_beat("a")
-    core.apply_heartbeat(dataclasses.replace(beat, running=beat.running[:47], num_running_total=47), 10.0)
-    outcomes = core.place([long_now, short_now, aged], 10.0)
-    assert [type(o) for o in outcomes] == [Held, Held, Placed]

@@ -156,17 +156,6 @@ class PackedScheduler:
         """Preemptions since this state was packed (clones carry the count on)."""
         return int(self.counters[layout.NUM_PREEMPTIONS])
 
-    def can_start_now(self, prompt_tokens: int) -> bool:
-        """Whether a request of ``prompt_tokens`` appended now would be admitted at the next
-        step: nothing waits ahead of it, a sequence slot is free, and its prompt's blocks
-        fit while keeping the watermark (:meth:`EngineScheduler.can_admit` with an empty
-        queue). Running requests' growth is not reserved, as in vLLM."""
-        counters, config = self.counters, self.config
-        if counters[layout.NUM_WAITING] or counters[layout.NUM_RUNNING] >= config.max_num_seqs:
-            return False
-        num_needed = -(-prompt_tokens // config.block_size)
-        return int(counters[layout.NUM_FREE_BLOCKS]) - num_needed >= config.watermark_blocks
-
     def running_rows(self) -> list[int]:
         return self.running[:self.counters[layout.NUM_RUNNING]].tolist()
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from dispatcher.cluster_view import ClusterView
 from dispatcher.policies.base import Decision, Policy, PolicyOptions
-from dispatcher.policies.late import BlockLate
 from dispatcher.policies.load import LeastKv, Llumnix
 from dispatcher.policies.predictive import Block, BlockKvGuard, Oracle, PowerOfTwo
 from dispatcher.policies.simple import LeastRequests, RandomChoice, RoundRobin
@@ -42,7 +41,6 @@ POLICIES: dict[str, PolicySpec] = {
     "power_of_two": PolicySpec(PowerOfTwo, simulates=True),
     "block": PolicySpec(Block, simulates=True),
     "block_kv_guard": PolicySpec(BlockKvGuard, simulates=True),
-    "block_late": PolicySpec(BlockLate, simulates=True),
     "oracle": PolicySpec(Oracle, simulates=True, lengths="truth"),
 }
 

@@ -32,7 +32,6 @@ class PolicyOptions:
 class Policy(Protocol):
     name: str
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision | None:
-        """Pick one of ``candidates`` (non-empty, live instances) for ``request``; None:
-        hold it for now (the caller offers it again later)."""
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+        """Pick one of ``candidates`` (non-empty, live instances) for ``request``."""
         ...
