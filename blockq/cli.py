@@ -333,7 +333,7 @@ def _add_dispatch_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=10_000, help="decisions to time")
     p.add_argument("--rate", type=float, default=32.0, help="requests/s on the virtual clock (beats every 100 ms)")
     p.add_argument("--policy", default="block", help="a policy name, or a comma-separated list")
-    p.add_argument("--objective", default="e2e")
+    p.add_argument("--objective", default=None, help="block objective (default: the dispatcher's, ttft)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis", dest="redis_url", default=None,
                    help="measure placements/s through a real dispatcher on this Redis ('embedded' starts one)")

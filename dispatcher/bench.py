@@ -33,6 +33,7 @@ from blockq.keys import PAYLOAD_FIELD, Keys
 from blockq.protocol import Heartbeat, Prediction, Request, RequestProgress, decode_request, encode
 from blockq.streams import connect_async
 from dispatcher.core import DispatcherCore, Placed
+from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for_decisions
 from workers.bench import sharegpt_like_lengths
 
@@ -92,11 +93,11 @@ def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at
 
 def bench_decisions(*, policy: str = "block", instances: int = 16, running: int = 48, waiting: int = 20,
                     requests: int = 10_000, rate_per_s: float = 32.0, preset: str = "llama2-7b-a30",
-                    seed: int = 0, objective: str = "e2e") -> dict[str, Any]:
+                    seed: int = 0, objective: str | None = None) -> dict[str, Any]:
     """Per-decision wall time of ``policy`` on one core, no Redis."""
     rng = random.Random(seed)
     keys = Keys()
-    core = DispatcherCore(policy, seed=seed, objective=objective)
+    core = DispatcherCore(policy, seed=seed, objective=objective or DEFAULT_OBJECTIVE)
     # The "real" instances the beats come from: advanced in virtual time with what they get.
     engines = {f"i{k}": loaded_scheduler(rng, preset, running, waiting) for k in range(instances)}
     seq = 1

@@ -7,7 +7,7 @@ import asyncio
 
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import connect_async, default_consumer_name
-from dispatcher.forecast import OBJECTIVES
+from dispatcher.forecast import DEFAULT_OBJECTIVE, OBJECTIVES
 from dispatcher.policies import POLICIES
 from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for_decisions
 
@@ -15,7 +15,7 @@ from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     parser.add_argument("--policy", default="round_robin", choices=sorted(POLICIES))
-    parser.add_argument("--objective", default="e2e", choices=OBJECTIVES,
+    parser.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=OBJECTIVES,
                         help="what block/power_of_two/oracle minimise (model-time seconds)")
     parser.add_argument("--seed", type=int, default=None, help="seed for randomised policies and tie breaks")
     parser.add_argument("--consumer-name", "--dispatcher-id", dest="consumer_name", default=None,

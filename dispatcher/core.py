@@ -19,6 +19,7 @@ from blockq.health import HealthPolicy
 from blockq.protocol import Assignment, Heartbeat, Request
 from dispatcher.admission import Infeasible, judge
 from dispatcher.cluster_view import InstanceView
+from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies import Policy, make_policy, make_view
 from dispatcher.priority import eligible_candidates
 
@@ -71,7 +72,7 @@ class DispatcherCore:
     against the request's objective and deadline (:mod:`dispatcher.admission`), and one
     predicted to miss them is answered :class:`Infeasible` instead of placed."""
 
-    def __init__(self, policy_name: str, *, seed: int | None = None, objective: str = "e2e",
+    def __init__(self, policy_name: str, *, seed: int | None = None, objective: str = DEFAULT_OBJECTIVE,
                  lengths: str | None = None, health_policy: HealthPolicy | None = None,
                  resync_interval_s: float = 0.3, timer: Callable[[], float] | None = None,
                  slo_ttft_ms: float | None = None) -> None:

@@ -60,6 +60,7 @@ from blockq.streams import GroupConsumer, StreamEntry
 from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.cluster_view import ClusterView
 from dispatcher.core import DispatcherCore, Held, Placed
+from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
 
 log = structlog.get_logger(__name__)
@@ -382,7 +383,7 @@ def prepare_for_decisions(core: DispatcherCore) -> None:
 
 
 def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: str, *, dispatcher_id: str,
-                      seed: int | None = None, objective: str = "e2e",
+                      seed: int | None = None, objective: str = DEFAULT_OBJECTIVE,
                       options: DispatcherOptions | None = None) -> Dispatcher:
     """A dispatcher whose core runs the named policy, timing decisions on the wall clock."""
     options = options or DispatcherOptions()

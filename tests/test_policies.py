@@ -99,7 +99,7 @@ def test_kv_guard_passes_over_an_instance_whose_kv_the_upper_quantile_would_exha
                           num_used_blocks=24 * 5)
     view = view_with(edge, busy)
     request = make_request("x " * 100, max_tokens=3000).with_prediction(Prediction(100, 50, 20, 1500, "test"))
-    policy = make_policy("block_kv_guard", view, seed=0)
+    policy = make_policy("block_kv_guard", view, seed=0, objective="e2e")  # the scenario is built on e2e scores
     now = time.time()
     median = {c.instance_id: policy.forecast(request, c, now) for c in view.live_instances()}
     assert median["edge"].score("e2e") < median["busy"].score("e2e")
@@ -108,7 +108,8 @@ def test_kv_guard_passes_over_an_instance_whose_kv_the_upper_quantile_would_exha
     upper = forecast(edge_replica, request.id, *edge_replica.request_size(request, lengths="upper"), keep=False)
     assert upper.num_preemptions > 0
     assert policy.choose(request, view.live_instances(), now).instance_id == "busy"
-    assert make_policy("block", view, seed=0).choose(request, view.live_instances(), now).instance_id == "edge"
+    assert make_policy("block", view, seed=0, objective="e2e").choose(
+        request, view.live_instances(), now).instance_id == "edge"
 
 
 def test_block_records_predicted_latencies() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dispatcher.cluster_view import ClusterView
+from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies.base import Decision, Policy, PolicyOptions
 from dispatcher.policies.load import LeastKv, Llumnix
 from dispatcher.policies.predictive import Block, BlockKvGuard, Oracle, PowerOfTwo
@@ -61,7 +62,7 @@ def make_view(name: str, *, lengths: str | None = None, **options: object) -> Cl
 
 
 def make_policy(name: str, view: ClusterView | None = None, *, seed: int | None = None,
-                objective: str = "e2e", slo_ttft_ms: float | None = None) -> Policy:
+                objective: str = DEFAULT_OBJECTIVE, slo_ttft_ms: float | None = None) -> Policy:
     """The policy registered as ``name`` on ``view`` (a new one for it when None)."""
     spec = policy_spec(name)
     return spec.factory(view if view is not None else make_view(name), random.Random(seed),

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from blockq.protocol import Request
 from dispatcher.cluster_view import InstanceView
+from dispatcher.forecast import DEFAULT_OBJECTIVE
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class PolicyOptions:
     simulate) and the TTFT objective of interactive requests that carry none (None: none;
     see :mod:`dispatcher.admission`)."""
 
-    objective: str = "e2e"
+    objective: str = DEFAULT_OBJECTIVE
     slo_ttft_ms: float | None = None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatcher.forecast import OBJECTIVES
+from dispatcher.forecast import DEFAULT_OBJECTIVE, OBJECTIVES
 from dispatcher.policies import policy_spec
 
 # One placement decision, ms (p50 of `blockq dispatch-bench --instances 16 --running 48
@@ -51,7 +51,7 @@ class SimulationConfig:
     instances: int = 12
     preset: str = "llama2-7b-a30"
     policy: str = "round_robin"
-    objective: str = "e2e"
+    objective: str = DEFAULT_OBJECTIVE
     seed: int = 1
     heartbeat_ms: float = 100.0
     heartbeat_delay_ms: float = 1.0

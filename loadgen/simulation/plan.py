@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies import policy_spec
 from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.runner import SimulatedRun, simulate_run
@@ -69,7 +70,7 @@ class Plan:
     def config(self, policy: str, seed: int) -> SimulationConfig:
         args = self.args
         return SimulationConfig(
-            instances=args.instances, preset=args.preset, policy=policy, objective=args.objective or "e2e",
+            instances=args.instances, preset=args.preset, policy=policy, objective=args.objective or DEFAULT_OBJECTIVE,
             seed=seed, heartbeat_ms=args.heartbeat_ms, heartbeat_delay_ms=args.heartbeat_delay_ms,
             decision_delay_ms=args.decision_delay_ms, ingress_delay_ms=args.ingress_delay_ms,
             ingress_delay_sigma=args.ingress_delay_sigma,
