@@ -169,15 +169,16 @@ def capacity_noise_plot(entries: Sequence[Mapping[str, Any]], path: Path) -> Pat
     by_policy: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for entry in entries:
         by_policy[str(entry["policy"])].append(entry)
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for axis, (label, value, spread) in zip(axes, panels, strict=True):
-        for policy, items in by_policy.items():
+        for index, (policy, items) in enumerate(by_policy.items()):
+            color = colors[index % len(colors)]  # one color per policy in both panels
             if len(items) == 1 and items[0].get("length_mae_tokens") is None:
-                axis.axhline(value(items[0]), linestyle="--", label=policy, color=_policy_color(policy))
+                axis.axhline(value(items[0]), linestyle="--", label=policy, color=color)
                 continue
             items = sorted(items, key=lambda e: e["length_mae_tokens"])
             axis.errorbar([e["length_mae_tokens"] for e in items], [value(e) for e in items],
-                          yerr=[spread(e) for e in items], marker="o", capsize=3, label=policy,
-                          color=_policy_color(policy))
+                          yerr=[spread(e) for e in items], marker="o", capsize=3, label=policy, color=color)
         axis.set_xlabel("prediction error, MAE tokens (0 = true lengths)")
         axis.set_ylabel(label)
         if maes:
@@ -185,8 +186,3 @@ def capacity_noise_plot(entries: Sequence[Mapping[str, Any]], path: Path) -> Pat
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=8)
     return _save(figure, path)
-
-
-def _policy_color(policy: str) -> str:
-    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
-    return colors[sum(map(ord, policy)) % len(colors)]
