@@ -313,6 +313,13 @@ def _decode_stop(data: Mapping[str, Any], limits: ProtocolLimits) -> tuple[str, 
 # --- messages on reply, done, heartbeat and dead-letter streams ---------------------------
 
 
+def _reply_map(message: Any, kind: str) -> dict[str, Any]:
+    """A reply-stream message's fields as a map, ``request_id`` sent as ``id``."""
+    data = {f.name: getattr(message, f.name) for f in fields(message)}
+    data["id"] = data.pop("request_id")
+    return {"v": SCHEMA_VERSION, "kind": kind, **data}
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the dispatcher placed a request and what it forecasts there, written on the
@@ -328,9 +335,7 @@ class Placement:
     predicted_e2e_ms: float | None = None
 
     def to_map(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["id"] = data.pop("request_id")
-        return {"v": SCHEMA_VERSION, "kind": "placement", **data}
+        return _reply_map(self, "placement")
 
     @classmethod
     def of(cls, request: Request) -> Placement:
@@ -393,9 +398,7 @@ class FinalRecord:
     error: str | None = None
 
     def to_map(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["id"] = data.pop("request_id")
-        return {"v": SCHEMA_VERSION, "kind": "final", **data}
+        return _reply_map(self, "final")
 
     @classmethod
     def from_map(cls, data: Mapping[str, Any]) -> FinalRecord:
