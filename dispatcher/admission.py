@@ -43,6 +43,14 @@ def ttft_slo_ms(request: Request, default_slo_ttft_ms: float | None) -> float | 
     return default_slo_ttft_ms if request.priority == "interactive" else None
 
 
+def ttft_budget_s(request: Request, default_slo_ttft_ms: float | None, now_s: float) -> float | None:
+    """How long from ``now_s`` the request's first token may take and keep its objective
+    (None: it has none; negative: already missed): the rule :func:`judge` applies, for a
+    policy ranking candidates by it."""
+    slo_ms = ttft_slo_ms(request, default_slo_ttft_ms)
+    return None if slo_ms is None else slo_ms / 1000 - max(0.0, now_s - request.submitted_at_s)
+
+
 def judge(request: Request, decision: Decision, now_s: float,
           default_slo_ttft_ms: float | None) -> Infeasible | None:
     """None when ``request`` may go where ``decision`` says; otherwise why not."""

@@ -162,8 +162,9 @@ class GenerationCall:
     async def _write_placements(self, response: web.StreamResponse) -> None:
         """Where each choice went and its forecast, as SSE comments before the first token
         (``: x-blockq-placement {...}``; clients of the OpenAI stream ignore comments)."""
+        deadline_s = time.monotonic() + self.timeout_s  # one bound for all of them
         for index, handle in enumerate(self.handles):
-            placement = await asyncio.wait_for(handle.placement(self.timeout_s), self.timeout_s)
+            placement = await handle.placement(max(0.0, deadline_s - time.monotonic()))
             if placement is not None:
                 body = {"index": index, "instance": placement.instance,
                         "predicted_ttft_ms": placement.predicted_ttft_ms,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from blockq.protocol import Request
-from dispatcher.admission import ttft_slo_ms
+from dispatcher.admission import ttft_budget_s
 from dispatcher.cluster_view import ClusterView, InstanceView
 from dispatcher.forecast import OBJECTIVES, Forecast, forecast
 from dispatcher.policies.base import Decision, PolicyOptions
@@ -72,7 +72,6 @@ class Block:
         return Decision(chosen.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
                         predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
 
-
     def _meeting_the_slo_first(self, request: Request, ranked: list[Any], now_s: float) -> list[Any]:
         """The candidates predicted to meet the request's TTFT objective, best score
         first, then the others by predicted TTFT: the objective decides only among
@@ -80,10 +79,9 @@ class Block:
         would wait), and when none does, the best predicted TTFT is the figure the
         request is judged by (:mod:`dispatcher.admission`). A ``best_effort`` request is
         never refused, but it too goes where it is predicted to meet its objective."""
-        slo_ms = ttft_slo_ms(request, self.slo_ttft_ms)
-        if slo_ms is None:
+        budget_s = ttft_budget_s(request, self.slo_ttft_ms, now_s)
+        if budget_s is None:
             return ranked
-        budget_s = slo_ms / 1000 - max(0.0, now_s - request.submitted_at_s)
         meeting = [item for item in ranked if item[1].ttft_s <= budget_s]
         if len(meeting) == len(ranked):
             return ranked
