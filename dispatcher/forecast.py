@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatcher.replica import InstanceReplica, WhatIf
+from blockq.engine_model.packed import PackedScheduler
+from dispatcher.replica import Baseline, InstanceReplica, WhatIf
 
 OBJECTIVES = ("e2e", "ttft", "max_latency")
 # What `block` scores by unless told: its own predicted TTFT (below the knee it cut mean /
@@ -44,9 +45,7 @@ def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, outp
     there, it is the replica's new baseline (:meth:`InstanceReplica.add_assignment`)."""
     baseline = replica.baseline()
     now_s = replica.scheduler.now_s
-    # Once the replica has moved past the snapshot (the queue drained since), the
-    # divergence point is now.
-    start = baseline.snapshot if baseline.snapshot.now_s >= now_s else replica.scheduler
+    start = _start(replica, baseline)
     ttft_s, e2e_s, added_delay_s, max_latency_s, num_preemptions, finished_at_s = start.what_if(
         prompt_tokens, output_tokens, now_s, baseline.finished_at_s)
     if keep:
@@ -54,3 +53,17 @@ def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, outp
                                     finished_at_s))
     return Forecast(ttft_s=ttft_s, e2e_s=e2e_s, added_delay_s=added_delay_s,
                     max_latency_s=max_latency_s, num_preemptions=num_preemptions)
+
+
+def _start(replica: InstanceReplica, baseline: Baseline) -> PackedScheduler:
+    """Where a what-if run starts: the baseline's snapshot, unless the replica has moved
+    past it (the queue drained since), when the divergence point is now."""
+    return baseline.snapshot if baseline.snapshot.now_s >= replica.scheduler.now_s else replica.scheduler
+
+
+def forecast_ttft(replica: InstanceReplica, prompt_tokens: int, output_tokens: int) -> float:
+    """:func:`forecast`'s ``ttft_s`` alone, from the same starting point, by a run that
+    stops at the request's first token: what ranking by the ``ttft`` objective needs of
+    every candidate (only the chosen one needs the run to the end)."""
+    return _start(replica, replica.baseline()).first_token_if(prompt_tokens, output_tokens,
+                                                              replica.scheduler.now_s)

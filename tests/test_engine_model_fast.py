@@ -230,13 +230,16 @@ def packed_what_if(start: PackedScheduler, size: tuple[int, int], arrival_s: flo
     """:meth:`PackedScheduler.what_if` from ``start``, as a :class:`WhatIf`."""
     rows_before = start.clone()
     *outputs, num_preempted, finished_s = start.what_if(*size, arrival_s, np.array(baseline_s))
+    # the run that stops at the first token gives the same TTFT
+    assert start.first_token_if(*size, arrival_s) == outputs[0]
     assert np.array_equal(start.times, rows_before.times, equal_nan=True)  # the state is not changed
     return WhatIf(*outputs, num_preempted, finished_s.tolist())
 
 
 def test_what_if_equals_stepping_the_reference_with_the_request() -> None:
     """All five outputs and every finish, from the state itself and from its queue-drain
-    snapshot (as the dispatcher runs it), against the reference stepped to the end."""
+    snapshot (as the dispatcher runs it), against the reference stepped to the end; and
+    the TTFT-only run's TTFT."""
     rng = random.Random(11)
     num_preempting = num_delaying = num_waited = 0
     for case in range(300):

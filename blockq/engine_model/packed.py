@@ -273,6 +273,15 @@ class PackedScheduler:
             self._config_array, self._latency_array, self._linear_table_s,
             prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s)
 
+    def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float) -> float:
+        """:meth:`what_if`'s TTFT alone, from a run that stops at the new request's first
+        token (:func:`.packed_kernel.first_token_if`): the same value, at a fraction of the cost."""
+        output_tokens = min(output_tokens, self.config.max_model_len - prompt_tokens)
+        return float(kernel.first_token_if(
+            self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
+            self._config_array, self._latency_array, self._linear_table_s,
+            prompt_tokens, output_tokens, arrival_s))
+
     # --- helpers --------------------------------------------------------------------------
 
     def _set_queues(self, num_running: int, num_waiting: int, num_free_blocks: int) -> None:
@@ -319,6 +328,7 @@ def warm_up() -> None:
     future = scheduler.clone()
     future.simulate()
     scheduler.what_if(40, 20, scheduler.now_s, future.times[:, layout.FINISHED].copy())
+    scheduler.first_token_if(40, 20, scheduler.now_s)
 
 
 @lru_cache(maxsize=256)

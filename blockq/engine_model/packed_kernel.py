@@ -48,18 +48,20 @@ def _scratch(capacity: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np
 @njit(cache=True)
 def simulate(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
              counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
-             linear_table_s: np.ndarray, until_s: float, stop_row: int, max_steps: int) -> int:
+             linear_table_s: np.ndarray, until_s: float, stop_row: int, max_steps: int,
+             stop_field: int = FINISHED) -> int:
     """Steps as :meth:`EngineScheduler.step` runs them, decode-only runs taken as spans
     (:func:`.packed_span.decode_span`); returns the steps run.
 
     Stops at the first of: nothing left to run; the next step would start at or after
     ``until_s`` (``np.inf``: no limit; when stopped idle, the clock moves to it); row
-    ``stop_row`` finished (-1: none); ``max_steps`` steps."""
+    ``stop_row`` has its time ``stop_field`` (``FINISHED`` or ``FIRST_TOKEN``; -1: no
+    row); ``max_steps`` steps."""
     scheduled, new_tokens, preempted, decodes, prefills, blocks_by_phase, remaining = _scratch(
         requests.shape[0], config[BLOCK_SIZE])
     num_steps = 0
     while counters[NUM_RUNNING] > 0 or counters[NUM_WAITING] > 0:
-        if stop_row >= 0 and not np.isnan(times[stop_row, FINISHED]):
+        if stop_row >= 0 and not np.isnan(times[stop_row, stop_field]):
             return num_steps
         if clock[0] >= until_s or num_steps >= max_steps:
             return num_steps
@@ -72,7 +74,7 @@ def simulate(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiti
         step(requests, times, running, waiting, counters, clock, config, latency, linear_table_s,
              scheduled, new_tokens, preempted, decodes, prefills)
         num_steps += 1
-    stopped_on_row = stop_row >= 0 and not np.isnan(times[stop_row, FINISHED])
+    stopped_on_row = stop_row >= 0 and not np.isnan(times[stop_row, stop_field])
     if clock[0] < until_s < np.inf and not stopped_on_row:
         clock[0] = until_s
     return num_steps
@@ -153,20 +155,13 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
 
 
 @njit(cache=True)
-def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
-            counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
-            linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int, arrival_s: float,
-            baseline_finished_at_s: np.ndarray) -> tuple[float, float, float, float, int, np.ndarray]:
-    """Append a request to a copy of the state and simulate until everything finishes;
-    the state itself is not changed. ``output_tokens`` must already fit ``max_model_len``.
-
-    Returns, in seconds after ``arrival_s``: the request's first token and finish, the
-    sum over the rows already there of how much later each finishes than in
-    ``baseline_finished_at_s`` (by row), the latest finish; the preemptions the run
-    made; and every row's finish time (the new request's row last)."""
+def _with_request(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
+                  counters: np.ndarray, clock: np.ndarray, prompt_tokens: int, output_tokens: int,
+                  arrival_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A copy of the state with a request of this size appended to the waiting queue (its
+    row last, exactly one spare row, the waiting ring laid out from slot 0)."""
     num_rows = counters[NUM_ROWS]
     capacity = waiting.shape[0]
-    # A copy with exactly one spare row, the waiting ring laid out from slot 0.
     new_requests = np.empty((num_rows + 1, NUM_REQUEST_FIELDS), np.int64)
     new_requests[:num_rows] = requests[:num_rows]
     new_times = np.empty((num_rows + 1, NUM_TIME_FIELDS), np.float64)
@@ -187,7 +182,43 @@ def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waitin
     new_requests[num_rows, TARGET] = output_tokens
     new_times[num_rows, :] = np.nan
     new_times[num_rows, ARRIVAL] = arrival_s
-    new_clock = clock.copy()
+    return new_requests, new_times, new_running, new_waiting, new_counters, clock.copy()
+
+
+@njit(cache=True)
+def first_token_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
+                   counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
+                   linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int,
+                   arrival_s: float) -> float:
+    """:func:`what_if`'s first output alone: the run stops at the new request's first token
+    (or its finish), which is usually a few steps in, not at the end of everything. Every
+    step up to there is the full run's, so the value is the same."""
+    num_rows = counters[NUM_ROWS]
+    new_requests, new_times, new_running, new_waiting, new_counters, new_clock = _with_request(
+        requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s)
+    simulate(new_requests, new_times, new_running, new_waiting, new_counters, new_clock, config,
+             latency, linear_table_s, np.inf, num_rows, 1 << 62, FIRST_TOKEN)
+    first_token_s = new_times[num_rows, FIRST_TOKEN]
+    if np.isnan(first_token_s):
+        first_token_s = new_times[num_rows, FINISHED]
+    return first_token_s - arrival_s
+
+
+@njit(cache=True)
+def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
+            counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
+            linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int, arrival_s: float,
+            baseline_finished_at_s: np.ndarray) -> tuple[float, float, float, float, int, np.ndarray]:
+    """Append a request to a copy of the state and simulate until everything finishes;
+    the state itself is not changed. ``output_tokens`` must already fit ``max_model_len``.
+
+    Returns, in seconds after ``arrival_s``: the request's first token and finish, the
+    sum over the rows already there of how much later each finishes than in
+    ``baseline_finished_at_s`` (by row), the latest finish; the preemptions the run
+    made; and every row's finish time (the new request's row last)."""
+    num_rows = counters[NUM_ROWS]
+    new_requests, new_times, new_running, new_waiting, new_counters, new_clock = _with_request(
+        requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s)
     simulate(new_requests, new_times, new_running, new_waiting, new_counters, new_clock, config,
              latency, linear_table_s, np.inf, -1, 1 << 62)
     added_delay_s = 0.0

@@ -6,13 +6,27 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 from blockq.protocol import Request
 from dispatcher.admission import ttft_budget_s
 from dispatcher.cluster_view import ClusterView, InstanceView
-from dispatcher.forecast import OBJECTIVES, Forecast, forecast
+from dispatcher.forecast import OBJECTIVES, Forecast, forecast, forecast_ttft
 from dispatcher.policies.base import Decision, PolicyOptions
+from dispatcher.replica import InstanceReplica
+
+
+@dataclass(slots=True)
+class _Ranked:
+    """A candidate as :meth:`Block._best` ranks it; ``forecast`` is None when only its
+    TTFT was simulated."""
+
+    key: tuple[float, float]
+    ttft_s: float
+    candidate: InstanceView
+    replica: InstanceReplica
+    size: tuple[int, int]
+    forecast: Forecast | None
 
 
 class Block:
@@ -47,6 +61,9 @@ class Block:
         return self._best(request, candidates, now_s)
 
     def _best(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+        # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
+        # one's run to the end (the replica's next baseline, the predicted E2E) follows.
+        ttft_only = self.objective == "ttft" and not self.kv_guard_candidates
         ranked = []
         sizes: dict[int, tuple[int, int]] = {}  # by max_model_len: the same on most fleets
         for candidate in candidates:
@@ -54,25 +71,32 @@ class Block:
             max_model_len = replica.config.max_model_len
             if max_model_len not in sizes:
                 sizes[max_model_len] = replica.request_size(request)
-            candidate_forecast = forecast(replica, request.id, *sizes[max_model_len])
+            size = sizes[max_model_len]
+            if ttft_only:
+                candidate_forecast, ttft_s = None, forecast_ttft(replica, *size)
+                score = ttft_s
+            else:
+                candidate_forecast = forecast(replica, request.id, *size)
+                ttft_s, score = candidate_forecast.ttft_s, candidate_forecast.score(self.objective)
             # Scores equal to 1e-9 s are ties, broken at random.
-            key = (round(candidate_forecast.score(self.objective), 9), self.rng.random())
-            ranked.append((key, candidate_forecast, candidate, replica))
-        ranked.sort(key=lambda item: item[0])
+            key = (round(score, 9), self.rng.random())
+            ranked.append(_Ranked(key, ttft_s, candidate, replica, size, candidate_forecast))
+        ranked.sort(key=lambda item: item.key)
         ranked = self._meeting_the_slo_first(request, ranked, now_s)
-        _, chosen_forecast, chosen, _ = ranked[0]
-        for _, candidate_forecast, candidate, replica in ranked[:self.kv_guard_candidates]:
-            upper_size = replica.request_size(request, lengths="upper")
-            if upper_size == sizes[replica.config.max_model_len]:
+        chosen = ranked[0]
+        for item in ranked[:self.kv_guard_candidates]:
+            upper_size = item.replica.request_size(request, lengths="upper")
+            if upper_size == item.size:
                 break  # no spread above the median: nothing to guard
-            upper = forecast(replica, request.id, *upper_size, keep=False)
-            if upper.num_preemptions <= candidate_forecast.num_preemptions:
-                chosen_forecast, chosen = candidate_forecast, candidate
+            upper = forecast(item.replica, request.id, *upper_size, keep=False)
+            if upper.num_preemptions <= item.forecast.num_preemptions:
+                chosen = item
                 break
-        return Decision(chosen.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
+        chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size)
+        return Decision(chosen.candidate.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
                         predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
 
-    def _meeting_the_slo_first(self, request: Request, ranked: list[Any], now_s: float) -> list[Any]:
+    def _meeting_the_slo_first(self, request: Request, ranked: list[_Ranked], now_s: float) -> list[_Ranked]:
         """The candidates predicted to meet the request's TTFT objective, best score
         first, then the others by predicted TTFT: the objective decides only among
         placements that keep the SLO (it may prefer a full instance where the request
@@ -82,10 +106,10 @@ class Block:
         budget_s = ttft_budget_s(request, self.slo_ttft_ms, now_s)
         if budget_s is None:
             return ranked
-        meeting = [item for item in ranked if item[1].ttft_s <= budget_s]
+        meeting = [item for item in ranked if item.ttft_s <= budget_s]
         if len(meeting) == len(ranked):
             return ranked
-        missing = sorted((item for item in ranked if item[1].ttft_s > budget_s), key=lambda item: item[1].ttft_s)
+        missing = sorted((item for item in ranked if item.ttft_s > budget_s), key=lambda item: item.ttft_s)
         return meeting + missing if meeting else missing
 
 
