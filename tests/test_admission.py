@@ -121,22 +121,22 @@ async def test_live_dispatcher_answers_infeasible_and_tells_placements(settings:
 def test_block_ranks_placements_that_keep_the_slo_first() -> None:
     """The objective decides among candidates predicted to meet the TTFT objective; when
     none does, the best predicted TTFT comes first (the figure the request is judged by)."""
-    from dispatcher.forecast import Forecast
     from dispatcher.policies import make_policy
+    from dispatcher.policies.predictive import _Ranked
 
-    def item(name: str, ttft_s: float) -> tuple[object, Forecast, str, None]:
-        return ((0,), Forecast(ttft_s=ttft_s, e2e_s=10.0, added_delay_s=0.0, max_latency_s=0.0, num_preemptions=0),
-                name, None)
+    def item(name: str, ttft_s: float) -> _Ranked:
+        return _Ranked(key=(0.0, 0.0), ttft_s=ttft_s, candidate=name, replica=None, size=(1, 1),  # type: ignore[arg-type]
+                       forecast=None)
 
     now_s = 100.0
     ranked = [item("full", 5.0), item("b", 0.2), item("c", 0.1)]  # best score first
     policy = make_policy("block", slo_ttft_ms=3000.0)
     request = make_request(submitted_at_s=now_s)
-    assert [i[2] for i in policy._meeting_the_slo_first(request, ranked, now_s)] == ["b", "c", "full"]
+    assert [i.candidate for i in policy._meeting_the_slo_first(request, ranked, now_s)] == ["b", "c", "full"]
     waited = make_request(submitted_at_s=now_s - 2.85)  # 150 ms left: only "c" keeps the SLO
-    assert [i[2] for i in policy._meeting_the_slo_first(waited, ranked, now_s)] == ["c", "b", "full"]
+    assert [i.candidate for i in policy._meeting_the_slo_first(waited, ranked, now_s)] == ["c", "b", "full"]
     late = make_request(submitted_at_s=now_s - 10)
-    assert [i[2] for i in policy._meeting_the_slo_first(late, ranked, now_s)] == ["c", "b", "full"]
-    assert [i[2] for i in policy._meeting_the_slo_first(make_request(submitted_at_s=now_s, best_effort=True),
+    assert [i.candidate for i in policy._meeting_the_slo_first(late, ranked, now_s)] == ["c", "b", "full"]
+    assert [i.candidate for i in policy._meeting_the_slo_first(make_request(submitted_at_s=now_s, best_effort=True),
                                                         ranked, now_s)] == ["b", "c", "full"]
     assert make_policy("block")._meeting_the_slo_first(request, ranked, now_s) == ranked  # no objective
