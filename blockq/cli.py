@@ -28,6 +28,16 @@ def _print_json(data: Any) -> None:
 # --- up / down ------------------------------------------------------------------------------
 
 
+# `blockq up`'s vLLM options: each sets the cluster config's field vllm_<name>.
+VLLM_UP_OPTIONS = (
+    ("--block-size", int, "vLLM KV block size in tokens (CPU: a multiple of 32)"),
+    ("--kv-cache-bytes", int, "vLLM KV cache size per instance, in bytes"),
+    ("--gpu-memory-utilization", float, "fraction of GPU (CPU: node) memory each vLLM instance may use"),
+    ("--max-model-len", int, "vLLM max_model_len"),
+    ("--max-num-seqs", int, "vLLM max_num_seqs"),
+)
+
+
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a local cluster (embedded Redis unless --redis)")
     add_common_arguments(p)
@@ -38,6 +48,13 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", default=None, help="objective of the block policy: e2e | ttft | max_latency")
     p.add_argument("--preset", default=None, help="engine preset (default llama2-7b-a30)")
     p.add_argument("--time-scale", type=float, default=None, help="wall seconds per model second (default 1)")
+    p.add_argument("--engine", choices=["emulated", "vllm"], default=None,
+                   help="engine of every instance (default emulated)")
+    p.add_argument("--model", default=None, help="model path or name (required with --engine vllm)")
+    for option, kind, text in VLLM_UP_OPTIONS:
+        p.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
+    p.add_argument("--enforce-eager", dest="vllm_enforce_eager", action="store_true", default=None,
+                   help="vLLM without graph capture or compilation (a fast start-up)")
     p.add_argument("--predictor", dest="predictor_backend", default=None, help="predictor backend (default heuristic)")
     p.add_argument("--predictor-model", default=None, help="trained predictor directory")
     p.add_argument("--gateway", action="store_true", default=None, help="also start the HTTP gateway")
@@ -59,7 +76,8 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         objective=args.objective, preset=args.preset, time_scale=args.time_scale,
         predictor_backend=args.predictor_backend, predictor_model=args.predictor_model,
         gateway=args.gateway, gateway_port=args.gateway_port, batch_worker=args.batch_worker, seed=args.seed,
-        redis_maxmemory=args.redis_maxmemory)
+        redis_maxmemory=args.redis_maxmemory, engine=args.engine, model=args.model,
+        **{name: value for name, value in vars(args).items() if name.startswith("vllm_")})
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -395,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_engine(sub)
     _add_dispatch_bench(sub)
     _add_gateway_and_batch(sub)
+    from blockq import tiny_model
+
+    tiny_model.add_parser(sub)
     return parser
 
 

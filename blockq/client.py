@@ -110,6 +110,8 @@ class SubmitSpec:
     deadline_s: float | None = None
     slo_ttft_ms: float | None = None
     best_effort: bool = False
+    ignore_eos: bool = False     # vLLM's extension: generate past EOS, to max_tokens
+    min_tokens: int = 0          # vLLM's extension: no EOS or stop sequence before this many tokens
     tenant: str = "default"
     request_id: str | None = None
     num_turns: int = 1
@@ -126,7 +128,7 @@ def build_request(spec: SubmitSpec, settings: Settings) -> Request:
         reply_stream=settings.keys.reply(request_id), submitted_at_s=time.time(),
         temperature=spec.temperature, top_p=spec.top_p, stop=tuple(spec.stop),
         priority=spec.priority, deadline_s=spec.deadline_s, slo_ttft_ms=spec.slo_ttft_ms,
-        best_effort=spec.best_effort, tenant=spec.tenant,
+        best_effort=spec.best_effort, ignore_eos=spec.ignore_eos, min_tokens=spec.min_tokens, tenant=spec.tenant,
         num_turns=spec.num_turns, true_output_tokens=spec.true_output_tokens,
         trace_predicted_output_tokens=spec.trace_predicted_output_tokens,
     )

@@ -13,6 +13,13 @@ Example ``cluster.toml``::
     gateway = false
     gateway_allow_unauthenticated = false   # needed to bind a non-loopback host without API keys
     redis_maxmemory = "1gb"   # embedded Redis only; noeviction: writes fail when it is full
+
+With ``engine = "vllm"`` the instances run vLLM on ``model`` (a path or model name),
+one instance per worker process; ``vllm_block_size``, ``vllm_kv_cache_bytes``,
+``vllm_gpu_memory_utilization``, ``vllm_max_model_len`` and ``vllm_max_num_seqs`` pass
+through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or compilation,
+for a fast start-up),
+and ``preset``, ``time_scale`` and ``noise`` (the emulated engine's) are not used.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from typing import Any
 
 from blockq.config import ConfigError
 from blockq.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
+
+ENGINES = ("emulated", "vllm")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,14 @@ class ClusterConfig:
     gateway_allow_unauthenticated: bool = False
     batch_worker: bool = False
     redis_maxmemory: str = DEFAULT_MAXMEMORY
+    engine: str = "emulated"
+    model: str | None = None
+    vllm_block_size: int | None = None
+    vllm_kv_cache_bytes: int | None = None
+    vllm_gpu_memory_utilization: float | None = None
+    vllm_max_model_len: int | None = None
+    vllm_max_num_seqs: int | None = None
+    vllm_enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.instances <= 1024:
@@ -59,10 +76,32 @@ class ClusterConfig:
         if not 1 <= self.gateway_port <= 65535:
             raise ConfigError(f"gateway_port: must be a TCP port (got {self.gateway_port})")
         check_maxmemory(self.redis_maxmemory)
+        self._check_engine()
+
+    def _check_engine(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine: must be one of {', '.join(ENGINES)} (got {self.engine!r})")
+        if self.engine == "vllm" and not self.model:
+            raise ConfigError("model: required with engine vllm (a model path or name)")
+        for name in ("vllm_block_size", "vllm_kv_cache_bytes", "vllm_max_model_len", "vllm_max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}: must be a positive integer (got {value!r})")
+        utilization = self.vllm_gpu_memory_utilization
+        if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, int | float)
+                                        or not 0 < utilization <= 1):
+            raise ConfigError(f"vllm_gpu_memory_utilization: must be in (0, 1] (got {utilization!r})")
+
+    @property
+    def instances_per_worker_process(self) -> int:
+        """Instances each worker process serves: ``instances_per_process``, but one with
+        vLLM, whose engine owns its own engine-core process and GPU memory (one engine
+        per process keeps a crash or an out-of-memory error to one instance)."""
+        return 1 if self.engine == "vllm" else self.instances_per_process
 
     @property
     def num_worker_processes(self) -> int:
-        return math.ceil(self.instances / self.instances_per_process)
+        return math.ceil(self.instances / self.instances_per_worker_process)
 
     def with_overrides(self, **overrides: Any) -> ClusterConfig:
         """A copy with every override that is not None applied."""
@@ -94,13 +133,13 @@ class ClusterConfig:
         if self.objective:
             dispatcher += ["--objective", self.objective]
         children.append(("dispatcher", tuple(dispatcher)))
+        per_process = self.instances_per_worker_process
         for process_index in range(self.num_worker_processes):
-            first = process_index * self.instances_per_process
-            count = min(self.instances_per_process, self.instances - first)
+            first = process_index * per_process
+            count = min(per_process, self.instances - first)
             children.append((f"workers-{process_index}", (
                 "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
-                "--first-index", str(first), "--preset", self.preset, "--time-scale", str(self.time_scale),
-                "--noise", str(self.noise), "--seed", str(self.seed))))
+                "--first-index", str(first), *self._engine_argv(), "--seed", str(self.seed))))
         if self.gateway:
             gateway = ["blockq.gateway", "--host", self.gateway_host, "--port", str(self.gateway_port)]
             if self.gateway_allow_unauthenticated:
@@ -109,3 +148,16 @@ class ClusterConfig:
         if self.batch_worker:
             children.append(("batch-worker", ("blockq.batch", "worker")))
         return children
+
+    def _engine_argv(self) -> list[str]:
+        """The worker options that choose and configure its engine."""
+        if self.engine == "emulated":
+            return ["--preset", self.preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise)]
+        argv = ["--engine", "vllm", "--model", str(self.model)]
+        for option, value in (("--block-size", self.vllm_block_size), ("--kv-cache-bytes", self.vllm_kv_cache_bytes),
+                              ("--gpu-memory-utilization", self.vllm_gpu_memory_utilization),
+                              ("--max-model-len", self.vllm_max_model_len),
+                              ("--max-num-seqs", self.vllm_max_num_seqs)):
+            if value is not None:
+                argv += [option, str(value)]
+        return argv + (["--enforce-eager"] if self.vllm_enforce_eager else [])

@@ -172,7 +172,9 @@ class Request:
     predicted to start within it, or to finish by ``deadline_s``, is answered
     ``infeasible`` at once unless ``best_effort`` (then it is placed anyway). ``true_output_tokens`` is carried only by trace replays (the
     emulated engine ends the request there); ``trace_predicted_output_tokens`` is a
-    prediction shipped with a trace.
+    prediction shipped with a trace. ``ignore_eos`` and ``min_tokens`` are vLLM's sampling
+    extensions: generate past EOS (to ``max_tokens``), and not stop (on EOS or a stop
+    sequence) before ``min_tokens`` output tokens (at most ``max_tokens``).
     """
 
     id: str
@@ -187,6 +189,8 @@ class Request:
     deadline_s: float | None = None
     slo_ttft_ms: float | None = None
     best_effort: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
     tenant: str = "default"
     num_turns: int = 1
     true_output_tokens: int | None = None
@@ -250,6 +254,8 @@ class Request:
             deadline_s=_get_float(data, "deadline_s", required=False),
             slo_ttft_ms=_get_float(data, "slo_ttft_ms", required=False),
             best_effort=bool(_get(data, "best_effort", bool, required=False)),
+            ignore_eos=bool(_get(data, "ignore_eos", bool, required=False)),
+            min_tokens=_optional_int(data, "min_tokens", 0) or 0,
             tenant=tenant,
             num_turns=_optional_int(data, "num_turns", 1, 10_000) or 1,
             true_output_tokens=_optional_int(data, "true_output_tokens", 1),
@@ -258,6 +264,8 @@ class Request:
             assignment=Assignment.from_map(assignment) if assignment is not None else None,
         )
         _check_range("temperature", request.temperature, 0.0, 2.0)
+        if request.min_tokens > max_tokens:
+            raise ValidationError("min_tokens", f"must be at most max_tokens ({max_tokens}) (got {request.min_tokens})")
         if request.slo_ttft_ms is not None:
             _check_range("slo_ttft_ms", request.slo_ttft_ms, 1.0, MAX_SLO_TTFT_MS)
         if not 0.0 < request.top_p <= 1.0:
@@ -552,6 +560,9 @@ class Heartbeat:
     lag_p99_ms: float = 0.0
     time_scale: float = 1.0
     truncated: bool = False
+    # Counters the engine reports itself, as it names them (vLLM: num_running_reqs,
+    # num_waiting_reqs, kv_cache_usage, num_preemptions_total, prefix_cache_*_total).
+    engine_stats: dict[str, Any] | None = None
 
     def to_map(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}

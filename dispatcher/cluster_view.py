@@ -20,9 +20,10 @@ instance that its latest beat does not show yet; they are dropped once a beat sh
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from blockq.engine_model import EngineConfig, StepLatencyModel, get_preset
+from blockq.engine_model.presets import PRESETS
 from blockq.health import HealthPolicy
 from blockq.protocol import Heartbeat, Request
 from dispatcher.lengths import check_length_mode
@@ -152,7 +153,10 @@ class ClusterView:
                 or beat.latency_model != view.heartbeat.latency_model)
 
     def _create_replica(self, view: InstanceView, now_wall_s: float) -> None:
-        view.replica = InstanceReplica(view.config, _latency_model(view.heartbeat), lengths=self.lengths)
+        # Replicas do not model prefix-cache hits: they simulate every prompt's full
+        # prefill, an upper bound on the work an instance with the cache does.
+        config = replace(view.config, enable_prefix_caching=False)
+        view.replica = InstanceReplica(config, _latency_model(view.heartbeat), lengths=self.lengths)
         self._rebuild(view, now_wall_s)
 
     def _rebuild(self, view: InstanceView, now_wall_s: float) -> None:
@@ -214,8 +218,14 @@ class ClusterView:
             self.instances.pop(instance_id, None)
 
 
+# The prior for an instance that publishes no latency model and no known preset (a vLLM
+# engine): a 7B model's step profile, which the replica refits from the instance's own
+# step samples within its first beats (InstanceReplica._observe_samples).
+PRIOR_PRESET = "llama2-7b-a30"
+
+
 def _latency_model(beat: Heartbeat) -> StepLatencyModel:
-    """The latency model an instance publishes, else its preset's."""
+    """The latency model an instance publishes, else its preset's, else the prior."""
     if beat.latency_model:
         return StepLatencyModel.from_dict(beat.latency_model)
-    return get_preset(beat.preset).latency_model
+    return get_preset(beat.preset if beat.preset in PRESETS else PRIOR_PRESET).latency_model

@@ -29,6 +29,81 @@ def test_unknown_keys_and_bad_values_are_named(tmp_path: Path) -> None:
         ClusterConfig().with_overrides(instances=0)
 
 
+def worker_argvs(config: ClusterConfig) -> list[tuple[str, ...]]:
+    return [argv for name, argv in config.child_argvs() if name.startswith("workers-")]
+
+
+def test_emulated_worker_argv_is_unchanged() -> None:
+    config = ClusterConfig(instances=8, instances_per_process=6, preset="llama2-7b-h100", time_scale=2.0, seed=3)
+    assert worker_argvs(config) == [
+        ("workers", "--instance-id", "inst", "--instances", "6", "--first-index", "0", "--preset", "llama2-7b-h100",
+         "--time-scale", "2.0", "--noise", "0.05", "--seed", "3"),
+        ("workers", "--instance-id", "inst", "--instances", "2", "--first-index", "6", "--preset", "llama2-7b-h100",
+         "--time-scale", "2.0", "--noise", "0.05", "--seed", "3"),
+    ]
+
+
+def test_vllm_from_toml_runs_one_engine_per_worker_process(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[cluster]\ninstances = 3\ninstances_per_process = 6\nengine = "vllm"\n'
+                    'model = "/models/llama"\nvllm_block_size = 16\nvllm_kv_cache_bytes = 4000000000\n'
+                    'vllm_gpu_memory_utilization = 0.3\nvllm_max_model_len = 2048\ntime_scale = 2.0\n')
+    config = ClusterConfig.from_toml(path)
+    assert config.num_worker_processes == 3
+    vllm_options = ("--engine", "vllm", "--model", "/models/llama", "--block-size", "16",
+                    "--kv-cache-bytes", "4000000000", "--gpu-memory-utilization", "0.3", "--max-model-len", "2048")
+    assert worker_argvs(config) == [
+        ("workers", "--instance-id", "inst", "--instances", "1", "--first-index", str(i), *vllm_options,
+         "--seed", "0") for i in range(3)]
+    # The emulated engine's options do not reach a vLLM worker.
+    assert not {"--preset", "--time-scale", "--noise"} & {arg for argv in worker_argvs(config) for arg in argv}
+
+
+def test_vllm_from_overrides_passes_only_the_options_set() -> None:
+    config = ClusterConfig().with_overrides(engine="vllm", model="m", vllm_max_model_len=4096,
+                                            vllm_block_size=None)
+    assert worker_argvs(config) == [
+        ("workers", "--instance-id", "inst", "--instances", "1", "--first-index", str(i), "--engine", "vllm",
+         "--model", "m", "--max-model-len", "4096", "--seed", "0") for i in range(2)]
+    # Back to the emulated engine: its processes serve instances_per_process again.
+    emulated = config.with_overrides(engine="emulated")
+    assert emulated.num_worker_processes == 1 and "--preset" in worker_argvs(emulated)[0]
+
+
+def test_up_flags_map_to_the_vllm_fields() -> None:
+    from blockq.cli import _cluster_config, build_parser
+
+    args = build_parser().parse_args(["up", "--engine", "vllm", "--model", "/m", "--block-size", "32",
+                                      "--kv-cache-bytes", "1000", "--gpu-memory-utilization", "0.5",
+                                      "--max-model-len", "1024"])
+    config = _cluster_config(args)
+    assert (config.engine, config.model, config.vllm_block_size, config.vllm_kv_cache_bytes,
+            config.vllm_gpu_memory_utilization, config.vllm_max_model_len) == ("vllm", "/m", 32, 1000, 0.5, 1024)
+    assert _cluster_config(build_parser().parse_args(["up"])).engine == "emulated"
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"engine": "vllm"}, "model"),
+    ({"engine": "vllm", "model": ""}, "model"),
+    ({"engine": "tensorrt"}, "engine"),
+    ({"engine": "vllm", "model": "m", "vllm_block_size": 0}, "vllm_block_size"),
+    ({"engine": "vllm", "model": "m", "vllm_kv_cache_bytes": -1}, "vllm_kv_cache_bytes"),
+    ({"engine": "vllm", "model": "m", "vllm_max_model_len": 1.5}, "vllm_max_model_len"),
+    ({"engine": "vllm", "model": "m", "vllm_gpu_memory_utilization": 0.0}, "vllm_gpu_memory_utilization"),
+    ({"engine": "vllm", "model": "m", "vllm_gpu_memory_utilization": 1.2}, "vllm_gpu_memory_utilization"),
+])
+def test_bad_engine_settings_name_the_field(values: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        ClusterConfig(**values)  # type: ignore[arg-type]
+
+
+def test_vllm_without_model_in_toml_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[cluster]\nengine = "vllm"\n')
+    with pytest.raises(ConfigError, match="^model: required with engine vllm"):
+        ClusterConfig.from_toml(path)
+
+
 def test_env_settings_are_validated() -> None:
     assert Settings.from_env({"BLOCKQ_REDIS_URL": "rediss://u:p@h:6380/0"}).redis_url == "rediss://u:p@h:6380/0"
     with pytest.raises(ConfigError, match="redis_url: scheme"):

@@ -18,13 +18,30 @@ def test_a_beat_the_core_cannot_use_is_rejected_counted_and_changes_nothing() ->
     bad = dataclasses.replace(make_heartbeat("b", sent_at_s=0.0), engine_config={"num_gpu_blocks": 0})
     reason = core.apply_heartbeat(bad, 0.1)
     assert reason is not None and "num_gpu_blocks" in reason
-    unknown_preset = dataclasses.replace(make_heartbeat("c", sent_at_s=0.0), preset="vllm")
-    assert "preset" in (core.apply_heartbeat(unknown_preset, 0.1) or "")
+    bad_latency = dataclasses.replace(make_heartbeat("c", sent_at_s=0.0), latency_model={"linear_scale": "x"})
+    assert core.apply_heartbeat(bad_latency, 0.1) is not None
     assert core.stats.num_beats_rejected == 2 and core.stats.num_beats_applied == 1
     assert [v.instance_id for v in core.live_instances()] == ["a"]
     # The core carries on: a request is still placed on the instance it could use.
     (outcome,) = core.place([make_request(predicted=50)], 0.2)
     assert isinstance(outcome, Placed) and outcome.request.assignment.instance_id == "a"
+
+
+def test_an_instance_without_preset_or_latency_model_starts_from_the_prior() -> None:
+    """A vLLM engine publishes neither: its replica starts from the prior profile (and
+    is refitted from its step samples), and prefix caching does not stop it."""
+    from blockq.engine_model import get_preset
+    from dispatcher.cluster_view import PRIOR_PRESET
+
+    core = DispatcherCore("block", seed=0)
+    beat = make_heartbeat("v", sent_at_s=0.0)
+    beat = dataclasses.replace(beat, preset="vllm", latency_model=None,
+                               engine_config={**beat.engine_config, "enable_prefix_caching": True, "watermark": 0.0})
+    assert core.apply_heartbeat(beat, 0.0) is None
+    replica = core.view.instances["v"].replica
+    assert replica is not None and replica.latency_model == get_preset(PRIOR_PRESET).latency_model
+    (outcome,) = core.place([make_request(predicted=50)], 0.1)
+    assert isinstance(outcome, Placed) and outcome.request.assignment.instance_id == "v"
 
 
 def test_replicas_belong_to_the_core_and_lengths_are_one_value() -> None:

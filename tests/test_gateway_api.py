@@ -87,6 +87,40 @@ def test_chat_request_errors_name_the_field(body: dict[str, Any], field: str) ->
     assert info.value.field == field
 
 
+def test_vllm_sampling_extensions_are_parsed_on_both_routes() -> None:
+    plan = parse_completion_request({"model": "m", "prompt": "x", "max_tokens": 20, "n": 2,
+                                     "ignore_eos": True, "min_tokens": 5})
+    assert [(s.ignore_eos, s.min_tokens) for s in plan.submit_specs("id", "t")] == [(True, 5), (True, 5)]
+    plain = parse_completion_request({"model": "m", "prompt": "x"}).submit_specs("id", "t")[0]
+    assert (plain.ignore_eos, plain.min_tokens) == (False, 0)
+    messages = [{"role": "user", "content": "x"}]
+    chat = parse_chat_request({"model": "m", "messages": messages, "max_completion_tokens": 9,
+                               "ignore_eos": True, "min_tokens": 9}, render_chatml)
+    assert (chat.ignore_eos, chat.min_tokens, chat.max_tokens) == (True, 9, 9)
+
+
+@pytest.mark.parametrize(("extra", "field", "fragment"), [
+    ({"ignore_eos": "yes"}, "ignore_eos", "a boolean"),
+    ({"ignore_eos": 1}, "ignore_eos", "a boolean"),
+    ({"min_tokens": -1}, "min_tokens", "between 0 and"),
+    ({"min_tokens": 2.5}, "min_tokens", "an integer"),
+    ({"min_tokens": True}, "min_tokens", "an integer"),
+    ({"min_tokens": 11}, "min_tokens", "at most max_tokens (10)"),
+    # a chat body's max_completion_tokens is the bound when it is given
+    ({"max_tokens": 50, "max_completion_tokens": 4, "min_tokens": 5}, "min_tokens", "at most max_tokens (4)"),
+])
+def test_vllm_sampling_extension_errors_name_the_field(extra: dict[str, Any], field: str, fragment: str) -> None:
+    completion = {"model": "m", "prompt": "x", "max_tokens": 10, **extra}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10, **extra}
+    checks = [lambda: parse_chat_request(chat, render_chatml)]
+    if "max_completion_tokens" not in extra:
+        checks.append(lambda: parse_completion_request(completion))
+    for parse in checks:
+        with pytest.raises(ValidationError) as info:
+            parse()
+        assert info.value.field == field and fragment in str(info.value)
+
+
 def test_chat_templates() -> None:
     messages = [ChatMessage("system", "be brief"), ChatMessage("user", "hi")]
     assert render_chatml(messages) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
@@ -329,6 +363,34 @@ async def test_chat_streaming_format(answered: TestClient) -> None:
     assert finish["finish_reason"] == "length" and finish["blockq"]["instance"] == "inst-7"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+
+
+async def test_vllm_sampling_extensions_reach_the_request(answered: TestClient, settings: Settings,
+                                                         sync_redis: Any) -> None:
+    response = await answered.post("/v1/completions", headers=AUTH, json={
+        "model": "blockq", "prompt": "p", "max_tokens": 8, "ignore_eos": True, "min_tokens": 3})
+    assert response.status == 200
+    response = await answered.post("/v1/chat/completions", headers=AUTH, json={
+        "model": "blockq", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "min_tokens": 6})
+    assert response.status == 200
+    submitted = [decode_request(f[PAYLOAD_FIELD.encode()]) for _, f in sync_redis.xrange(settings.keys.requests)]
+    assert [(r.max_tokens, r.ignore_eos, r.min_tokens) for r in submitted] == [(8, True, 3), (6, False, 6)]
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "true"}, "ignore_eos"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": -2}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "ignore_eos": 0}, "ignore_eos"),
+])
+async def test_bad_sampling_extensions_are_400_naming_the_field(gateway: TestClient, settings: Settings,
+                                                                sync_redis: Any, route: str,
+                                                                body: dict[str, Any], param: str) -> None:
+    response = await gateway.post(route, json={"model": "blockq", **body}, headers=AUTH)
+    assert response.status == 400
+    error = await error_of(response)
+    assert error["param"] == param and error["type"] == "invalid_request_error" and param in error["message"]
+    assert sync_redis.xlen(settings.keys.requests) == 0  # nothing was submitted
 
 
 async def test_generation_error_is_500_without_details(answered: TestClient) -> None:

@@ -95,6 +95,26 @@ def test_chat_completions(gateway_cluster: dict[str, Any]) -> None:
     assert "".join(pieces).strip() and finish_reasons[-1] == "length"
 
 
+def test_vllm_sampling_extensions_end_to_end(gateway_cluster: dict[str, Any]) -> None:
+    """``ignore_eos`` / ``min_tokens`` from the openai client's ``extra_body`` to the
+    emulated engines: the output runs to max_tokens, or at least to min_tokens."""
+    client: openai.OpenAI = gateway_cluster["client"]
+    completion = client.completions.create(model="blockq", prompt="Explain paged attention", max_tokens=40,
+                                           extra_body={"ignore_eos": True})
+    assert completion.usage is not None and completion.usage.completion_tokens == 40
+    assert completion.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="blockq", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=48, extra_body={"min_tokens": 30})
+    assert chat.usage is not None and 30 <= chat.usage.completion_tokens <= 48
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="blockq", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4, extra_body={"min_tokens": 5})
+    assert info.value.body["param"] == "min_tokens"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="blockq", prompt="x", max_tokens=4, extra_body={"ignore_eos": "yes"})
+    assert info.value.body["param"] == "ignore_eos"  # type: ignore[index]
+
+
 def test_keys_models_and_status(gateway_cluster: dict[str, Any]) -> None:
     wrong = openai.OpenAI(base_url=gateway_cluster["base_url"] + "/v1", api_key="sk-nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

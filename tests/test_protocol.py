@@ -38,6 +38,17 @@ def test_request_round_trip_with_annotations() -> None:
     assert decode_request(encode(request)) == request
 
 
+def test_sampling_extensions_round_trip_and_default_when_absent() -> None:
+    request = make_request(ignore_eos=True, min_tokens=16)
+    decoded = decode_request(encode(request))
+    assert decoded == request and (decoded.ignore_eos, decoded.min_tokens) == (True, 16)
+    # A message from a writer older than the fields still parses, with vLLM's defaults.
+    data = make_request(ignore_eos=True, min_tokens=3).to_map()
+    del data["ignore_eos"], data["min_tokens"]
+    old = decode_request(msgpack.packb(data))
+    assert (old.ignore_eos, old.min_tokens) == (False, 0)
+
+
 def test_map_carries_schema_version() -> None:
     data = msgpack.unpackb(encode(make_request()))
     assert data["v"] == 1 and data["kind"] == "request"
@@ -64,6 +75,12 @@ def test_map_carries_schema_version() -> None:
         ({"kind": "chunk"}, "kind", "expected 'request'"),
         ({"submitted_at_s": float("nan")}, "submitted_at_s", "finite"),
         ({"reply_stream": None}, "reply_stream", "required"),
+        ({"min_tokens": 17}, "min_tokens", "at most max_tokens (16)"),
+        ({"min_tokens": -1}, "min_tokens", "between 0 and"),
+        ({"min_tokens": "4"}, "min_tokens", "must be int"),
+        ({"min_tokens": True}, "min_tokens", "got bool"),
+        ({"ignore_eos": "yes"}, "ignore_eos", "must be bool"),
+        ({"ignore_eos": 1}, "ignore_eos", "must be bool"),
     ],
 )
 def test_each_invalid_request_names_its_field(change: dict, field: str, fragment: str) -> None:

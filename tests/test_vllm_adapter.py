@@ -76,21 +76,40 @@ async def test_tokens_map_to_events_with_deltas_and_finish() -> None:
     assert double.seen_prompts[1] == {"prompt_token_ids": [1, 2, 3]}
 
 
-async def test_progress_and_admission_follow_observed_state() -> None:
-    engine = VllmEngine(VllmEngineOptions(model="m", max_num_seqs=2), engine=EngineDouble(num_tokens=50),
+async def test_progress_lays_vllms_counts_over_arrival_order() -> None:
+    """vLLM reports how many requests run, not which: the earliest arrivals are the ones
+    running (FCFS), the rest wait with nothing computed."""
+    engine = VllmEngine(VllmEngineOptions(model="m", max_num_seqs=3), engine=EngineDouble(num_tokens=50),
                         params_factory=lambda s: None)
     engine.add_request(spec("a"))
+    engine.add_request(spec("b"))
     assert engine.num_admittable() == 1
     running, waiting, _ = engine.progress()
-    assert not running and [w.request_id for w in waiting] == ["a"]
+    assert not running and [w.request_id for w in waiting] == ["a", "b"]
     await engine.step()
-    running, waiting, blocks = engine.progress()
-    assert [r.request_id for r in running] == ["a"] and blocks == 1
-    assert engine.abort_request("a")
+    engine.stats.num_running = 1  # as vLLM's stat logger would report after b's preemption
+    running, waiting, _ = engine.progress()
+    assert [r.request_id for r in running] == ["a"] and [w.request_id for w in waiting] == ["b"]
+    assert running[0].num_computed_tokens == 2 + running[0].num_generated_tokens - 1
+    assert waiting[0].num_computed_tokens == 0 and waiting[0].num_generated_tokens >= 1
+    assert engine.abort_request("a") and engine.abort_request("b")
     await asyncio.sleep(0.01)
-    assert engine.engine.aborted == ["a"]
+    assert engine.engine.aborted == ["a", "b"]
     assert engine.progress() == ([], [], 0)
     assert not engine.abort_request("a")
+
+
+async def test_an_engine_error_ends_the_request_with_its_message() -> None:
+    class Failing(EngineDouble):
+        async def generate(self, prompt, params, request_id):  # noqa: ANN001, ANN201
+            raise ValueError("Token id 999999 is out of vocabulary")
+            yield  # an async generator, as vLLM's
+
+    engine = VllmEngine(VllmEngineOptions(model="m"), engine=Failing(), params_factory=lambda s: None)
+    engine.add_request(spec("a"))
+    events = await drain(engine)
+    assert [(e.finished, e.finish_reason) for e in events] == [(True, "error")]
+    assert "out of vocabulary" in events[0].error
 
 
 def test_missing_model_is_a_clear_error() -> None:

@@ -34,6 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle-size", type=int, default=16, help="max queue entries per read")
     parser.add_argument("--stream-interval-ms", type=float, default=50.0, help="min ms between output chunks")
     parser.add_argument("--model", default=None, help="model path for --engine vllm")
+    vllm = parser.add_argument_group("vLLM engine (None: vLLM's default; what it chose is read back)")
+    vllm.add_argument("--max-num-seqs", type=int, default=48)
+    vllm.add_argument("--max-num-batched-tokens", type=int, default=512)
+    vllm.add_argument("--max-model-len", type=int, default=None)
+    vllm.add_argument("--block-size", type=int, default=None, help="KV block size (vLLM's CPU attention: a multiple of 32)")
+    vllm.add_argument("--kv-cache-bytes", type=int, default=None, help="fixed KV cache size in bytes")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=None,
+                      help="fraction of device memory (on CPU: of node memory) vLLM may use")
+    vllm.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (faster start-up)")
 
 
 def instance_ids(args: argparse.Namespace) -> list[str]:
@@ -44,9 +53,17 @@ def instance_ids(args: argparse.Namespace) -> list[str]:
 
 def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine protocol
     if args.engine == "vllm":
-        from workers.engines.vllm import VllmEngine, VllmEngineOptions
+        from workers.engines.vllm import (
+            VllmEngine,
+            VllmEngineOptions,
+            kill_engine_processes_on_exit,
+        )
 
-        return VllmEngine(VllmEngineOptions(model=args.model))
+        kill_engine_processes_on_exit()
+        return VllmEngine(VllmEngineOptions(
+            model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager))
     from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 
     return EmulatedEngine(EmulatedEngineOptions(preset=args.preset, time_scale=args.time_scale,
@@ -71,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
                 for worker in workers:
                     group.create_task(worker.run(stop), name=f"worker-{worker.instance_id}")
         finally:
+            for worker in workers:
+                worker.engine.shutdown()
             await client.aclose()
 
     try:

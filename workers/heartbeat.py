@@ -26,8 +26,7 @@ class HeartbeatBuilder:
         self._finished: deque[str] = deque(maxlen=MAX_FINISHED_IDS)
 
     def record_step(self, output: EngineStepOutput) -> None:
-        if output.sample is not None:
-            self._samples.append(output.sample)
+        self._samples.extend(output.samples)
 
     def record_finished(self, request_id: str) -> None:
         self._finished.append(request_id)
@@ -45,7 +44,7 @@ class HeartbeatBuilder:
             running=tuple(running[:MAX_HEARTBEAT_REQUESTS]), waiting=tuple(waiting[:MAX_HEARTBEAT_REQUESTS]),
             num_running_total=len(running), num_waiting_total=len(waiting),
             finished_ids=tuple(self._finished), step_samples=tuple(self._samples),
-            lag_p99_ms=lag_p99_ms, time_scale=self.engine.time_scale,
+            lag_p99_ms=lag_p99_ms, time_scale=self.engine.time_scale, engine_stats=self.engine.engine_stats(),
             truncated=len(running) > MAX_HEARTBEAT_REQUESTS or len(waiting) > MAX_HEARTBEAT_REQUESTS)
         self._samples.clear()
         self._finished.clear()

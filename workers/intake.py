@@ -31,7 +31,14 @@ def bundle_room(options: WorkerOptions, engine: Engine, max_in_flight: int, num_
 
 
 def engine_spec(request: Request) -> EngineRequestSpec:
-    """``request`` as the engine is handed it."""
+    """``request`` as the engine is handed it.
+
+    A request with ``true_output_tokens`` (a trace replay: the trace gives its output
+    length) is handed over with ``ignore_eos``, so that an engine reproduces the trace's
+    length: ``ignore_eos`` keeps a real engine from stopping at its own EOS first, and the
+    engine ends the request at ``min(true_output_tokens, max_tokens)`` (replays leave
+    ``max_tokens`` at the room the model allows, so that it tells the predictor nothing).
+    The emulated engine ends such a request there either way."""
     prediction = request.prediction
     if prediction is not None:
         prompt_tokens = prediction.prompt_tokens
@@ -42,6 +49,7 @@ def engine_spec(request: Request) -> EngineRequestSpec:
     return EngineRequestSpec(
         request_id=request.id, prompt=request.prompt, prompt_tokens=prompt_tokens,
         max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-        stop=request.stop, true_output_tokens=request.true_output_tokens,
+        stop=request.stop, ignore_eos=request.ignore_eos or request.true_output_tokens is not None,
+        min_tokens=request.min_tokens, true_output_tokens=request.true_output_tokens,
         predicted_output_tokens=prediction.predicted_output_tokens if prediction else None,
         p90_tokens=prediction.p90_tokens if prediction else None)

@@ -316,7 +316,9 @@ class InstanceWorker:
             for event, flight in record_step_output(self.in_flight, output, now_wall_s):
                 if flight.answer is not None:
                     continue
-                if event.finished:
+                if event.error is not None:
+                    self._decide(flight, Answer("error", "abort", event.error[:MAX_ERROR_CHARS]))
+                elif event.finished:
                     self._decide(flight, Answer("ok", event.finish_reason or "stop"))
                 elif event.is_first or flight.due_for_flush(now_wall_s, self.options.stream_interval_ms):
                     self._queue_flush(pipe, flight, writes)

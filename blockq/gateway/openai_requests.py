@@ -12,7 +12,9 @@ Accepted and ignored (no effect on the emulated or vLLM engines behind blockq):
 on completions, ``suffix``, ``best_of`` other than ``n``, ``tools``/``functions``, and
 ``response_format`` other than ``text``. blockq extensions: ``priority`` (``interactive``
 or ``batch``), ``slo_ttft_ms`` (this call's TTFT objective, ms) and ``best_effort`` (serve it
-however late: never answered ``infeasible``).
+however late: never answered ``infeasible``). vLLM's own sampling extensions, as vLLM's
+server takes them: ``ignore_eos`` (generate past EOS, to ``max_tokens``) and ``min_tokens``
+(no EOS or stop sequence before this many tokens; at most ``max_tokens``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class GenerationPlan:
     priority: str
     slo_ttft_ms: float | None = None
     best_effort: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     @property
     def num_choices(self) -> int:
@@ -89,7 +93,8 @@ class GenerationPlan:
         return [
             SubmitSpec(prompt=self.prompt_of(i), max_tokens=self.max_tokens, temperature=self.temperature,
                        top_p=self.top_p, stop=self.stop, priority=priority or self.priority, tenant=tenant,
-                       request_id=request_id, slo_ttft_ms=self.slo_ttft_ms, best_effort=self.best_effort)
+                       request_id=request_id, slo_ttft_ms=self.slo_ttft_ms, best_effort=self.best_effort,
+                       ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
             for i, request_id in enumerate(self.request_ids(base_id))
         ]
 
@@ -202,6 +207,9 @@ def _read_common(body: Any, max_tokens_default: int, defaults: RequestDefaults) 
         "model": model, "n": n, "stream": stream, "include_usage": include_usage, "priority": priority,
         "slo_ttft_ms": _read_optional_float(body, "slo_ttft_ms", 1.0, MAX_SLO_TTFT_MS),
         "best_effort": _read_bool(body, "best_effort"),
+        "ignore_eos": _read_bool(body, "ignore_eos"),
+        # Bounded by max_tokens in _plan, once a chat body's max_completion_tokens is applied.
+        "min_tokens": _read_int(body, "min_tokens", 0, 0, defaults.max_max_tokens),
         "temperature": _read_float(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _read_top_p(body),
         "max_tokens": _read_int(body, "max_tokens", max_tokens_default, 1, defaults.max_max_tokens),
@@ -260,6 +268,9 @@ def _plan(endpoint: str, common: dict[str, Any], prompts: tuple[Prompt, ...], ec
           defaults: RequestDefaults) -> GenerationPlan:
     if len(prompts) * common["n"] > defaults.max_choices:
         raise ValidationError("n", f"prompts x n must be at most {defaults.max_choices}")
+    if common["min_tokens"] > common["max_tokens"]:
+        raise ValidationError("min_tokens", f"must be at most max_tokens ({common['max_tokens']}) "
+                              f"(got {common['min_tokens']})")
     return GenerationPlan(endpoint=endpoint, prompts=prompts, echo=echo, **common)
 
 

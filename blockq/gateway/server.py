@@ -65,6 +65,7 @@ class Gateway:
         self.started_at_s = int(time.time())
         self._instance_models: tuple[str, ...] = ()
         self._models_read_at_s = -math.inf
+        self._models_reading: asyncio.Future[None] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -172,25 +173,32 @@ class Gateway:
                                   f"must be a number of seconds in (0, {self.config.request_timeout_s:g}]")
         return value
 
-    async def model_names(self) -> tuple[str, ...]:
-        """Configured names plus the models live instances report (refreshed every 5 s)."""
-        now_s = time.monotonic()
-        if now_s - self._models_read_at_s > MODELS_REFRESH_S and self.client is not None:
-            self._models_read_at_s = now_s
-            try:
-                beats = await self.client.redis.hvals(self.settings.keys.instances)
-                models = set()
-                for payload in beats:
-                    try:
-                        models.add(decode_heartbeat(payload).model)
-                    except ValidationError:
-                        continue
-                self._instance_models = tuple(sorted(models))
-            except Exception:
-                log.warning("models_refresh_failed", exc_info=True)
+    async def model_names(self, fresh_within_s: float = MODELS_REFRESH_S) -> tuple[str, ...]:
+        """Configured names plus the models live instances report (read again when the
+        last read is older than ``fresh_within_s``). Concurrent callers share one read:
+        each waits for it rather than answering from the list it replaces."""
+        if time.monotonic() - self._models_read_at_s > fresh_within_s and self.client is not None:
+            if self._models_reading is None or self._models_reading.done():
+                self._models_reading = asyncio.ensure_future(self._read_instance_models())
+            await asyncio.shield(self._models_reading)
         names = list(self.config.model_names)
         names += [m for m in self._instance_models if m and m not in names]
         return tuple(names)
+
+    async def _read_instance_models(self) -> None:
+        assert self.client is not None
+        try:
+            beats = await self.client.redis.hvals(self.settings.keys.instances)
+            models = set()
+            for payload in beats:
+                try:
+                    models.add(decode_heartbeat(payload).model)
+                except ValidationError:
+                    continue
+            self._instance_models = tuple(sorted(models))
+        except Exception:
+            log.warning("models_refresh_failed", exc_info=True)
+        self._models_read_at_s = time.monotonic()
 
     # --- routes ------------------------------------------------------------------------------
 
@@ -227,7 +235,9 @@ class Gateway:
             plan = parse_completion_request(body, defaults)
         else:
             plan = parse_chat_request(body, self.render_chat, defaults)
-        if plan.model not in await self.model_names():
+        # A name not seen yet is looked up again (at most once a second): an instance that
+        # has just joined serves its model before the next periodic refresh.
+        if plan.model not in await self.model_names() and plan.model not in await self.model_names(1.0):
             raise GatewayError(404, f"the model {plan.model!r} does not exist", "invalid_request_error",
                                param="model", code="model_not_found")
         if self.num_in_flight >= self.config.max_in_flight:

@@ -21,7 +21,8 @@ class TokenEvent(NamedTuple):
     num_new_tokens: int
     is_first: bool
     finished: bool
-    finish_reason: str | None = None      # "stop" | "length" when finished
+    finish_reason: str | None = None      # "stop" | "length" when finished; "error" with error
+    error: str | None = None              # why the engine failed the request (it is finished)
 
 
 @dataclass(frozen=True)
@@ -31,14 +32,20 @@ class EngineStepOutput:
     events: tuple[TokenEvent, ...]
     preempted_ids: tuple[str, ...]
     model_time_s: float
-    # (prefill tokens, decode seqs, KV tokens attended, seconds, prefill attention pairs)
-    sample: tuple[int, int, int, float, int] | None = None
+    # The engine iterations run since the last step() as (prefill tokens, decode seqs,
+    # KV tokens attended, seconds, prefill attention pairs): one for the emulated engine,
+    # however many vLLM ran for the vLLM adapter.
+    samples: tuple[tuple[int, int, int, float, int], ...] = ()
     lag_ms: float = 0.0
 
 
 @dataclass(frozen=True)
 class EngineRequestSpec:
-    """A request as handed to an engine."""
+    """A request as handed to an engine.
+
+    ``ignore_eos`` and ``min_tokens`` are vLLM's sampling parameters of the same names:
+    generate past EOS (to ``max_tokens``), and not stop before ``min_tokens`` output tokens.
+    """
 
     request_id: str
     prompt: str | tuple[int, ...]
@@ -47,6 +54,8 @@ class EngineRequestSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
     true_output_tokens: int | None = None
     predicted_output_tokens: int | None = None
     p90_tokens: int | None = None
@@ -85,3 +94,12 @@ class Engine(Protocol):
         ...
 
     def model_time_s(self) -> float: ...
+
+    def engine_stats(self) -> dict[str, Any]:
+        """Counters the engine itself reports (preemptions, KV usage, prefix-cache hits),
+        carried in beats as they are."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what the engine holds (processes, memory); the worker calls it last."""
+        ...

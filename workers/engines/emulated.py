@@ -2,8 +2,9 @@
 
 Each step's duration comes from the preset's step-latency model, times lognormal noise;
 the engine sleeps that long (times ``time_scale``) and then reports the step's tokens.
-Requests end at ``true_output_tokens`` when they carry one (trace replay), else at an
-EOS drawn from a lognormal length distribution, never beyond ``max_tokens`` nor past
+Requests end at ``true_output_tokens`` when they carry one (trace replay), else at
+``max_tokens`` with ``ignore_eos``, else at an EOS drawn from a lognormal length
+distribution; never before ``min_tokens``, never beyond ``max_tokens`` nor past
 ``max_model_len``. All times it reports are model time (wall time / ``time_scale``).
 
 ``lag_ms`` per step is how late the event loop woke up against the step's scheduled
@@ -78,9 +79,19 @@ class EmulatedEngine:
         self.clock = clock
         self._wall_origin_s = clock()
         self._specs: dict[str, EngineRequestSpec] = {}
+        self._num_preemptions_total = 0
         self._num_emitted: dict[str, int] = {}
 
     # --- Engine protocol ----------------------------------------------------------------
+
+    def engine_stats(self) -> dict[str, Any]:
+        scheduler = self.scheduler
+        return {"num_running_reqs": len(scheduler.running), "num_waiting_reqs": len(scheduler.waiting),
+                "kv_cache_usage": round(scheduler.num_used_blocks / max(1, self.config.num_gpu_blocks), 4),
+                "num_preemptions_total": self._num_preemptions_total}
+
+    def shutdown(self) -> None:
+        pass  # holds nothing outside this process
 
     def engine_config(self) -> dict[str, Any]:
         """The engine config as beats carry it (one dict for the engine's life: read only)."""
@@ -100,8 +111,7 @@ class EmulatedEngine:
         return None
 
     def add_request(self, spec: EngineRequestSpec) -> None:
-        output_tokens = spec.true_output_tokens or self._sample_eos()
-        output_tokens = max(1, min(output_tokens, spec.max_tokens,
+        output_tokens = max(1, min(self._output_target(spec), spec.max_tokens,
                                    self.config.max_model_len - spec.prompt_tokens))
         if not self.scheduler.has_unfinished_requests:
             # An idle engine's clock catches up with wall time before new work starts.
@@ -153,11 +163,12 @@ class EmulatedEngine:
         scheduler = self.scheduler
         # A late wake-up moves the engine clock on: model time never runs ahead of wall time.
         scheduler.now_s = max(scheduler.now_s, self.model_time_s())
+        self._num_preemptions_total += len(result.preempted_ids)
         return EngineStepOutput(
             events=self._events(result), preempted_ids=result.preempted_ids,
             model_time_s=scheduler.now_s,
-            sample=(result.num_prefill_tokens, result.num_decode_seqs, result.num_kv_tokens_attended,
-                    result.duration_s, result.num_prefill_attention_pairs),
+            samples=((result.num_prefill_tokens, result.num_decode_seqs, result.num_kv_tokens_attended,
+                      result.duration_s, result.num_prefill_attention_pairs),),
             lag_ms=lag_ms)
 
     def progress(self) -> tuple[list[RequestProgress], list[RequestProgress], int]:
@@ -212,6 +223,19 @@ class EmulatedEngine:
                                request.num_generated_tokens,
                                spec.predicted_output_tokens if spec else None,
                                spec.p90_tokens if spec else None)
+
+    def _output_target(self, spec: EngineRequestSpec) -> int:
+        """Where ``spec`` would end without the engine's limits (``max_tokens`` and
+        ``max_model_len`` cap it). A trace's length wins over ``ignore_eos``: the trace
+        says where the answer ended. An EOS is drawn (from the engine's one random stream)
+        only when neither decides the length."""
+        if spec.true_output_tokens:
+            target = spec.true_output_tokens
+        elif spec.ignore_eos:
+            target = spec.max_tokens
+        else:
+            target = self._sample_eos()
+        return max(target, spec.min_tokens)
 
     def _sample_eos(self) -> int:
         return max(1, int(self.rng.lognormvariate(math.log(self.options.eos_median_tokens),

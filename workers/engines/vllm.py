@@ -1,22 +1,36 @@
-"""The vLLM engine adapter: a worker feeding a local vLLM async engine.
+"""The vLLM engine adapter: a worker feeding a local vLLM engine (V1's ``AsyncLLM``).
 
-vLLM is an optional extra (``pip install blockq[vllm]``) and is imported only when this
-engine is built. The adapter follows vLLM's documented ``generate()`` contract: an async
-iterator of ``RequestOutput`` objects per request, each holding ``outputs[0]`` with the
-*cumulative* ``text`` and ``token_ids`` so far, ``finished``, and ``finish_reason`` on the
-last one; ``abort(request_id)`` stops a request.
+vLLM is optional (the ``.venv-vllm`` environment, ``make vllm``) and imported only when
+this engine is built. What the beats carry, and where it comes from:
 
-What vLLM does not expose per request (which step computed which tokens) the adapter
-infers from what it observes: a request is *running* once its first token arrived and
-*waiting* before that; KV blocks in use are estimated from the tokens of the requests in
-flight (``ceil(tokens / block_size)`` each). This path has not been run on a GPU yet.
+- **engine config**: vLLM's own after start-up (``cache_config.num_gpu_blocks`` and
+  ``block_size``, the scheduler's limits, the model's ``max_model_len``, prefix caching);
+- **running / waiting counts, KV usage, preemptions, prefix-cache queries and hits**: the
+  stat logger vLLM calls after every iteration (:class:`VllmStats`);
+- **step samples** for the dispatcher's latency refit: vLLM's per-iteration details
+  (``enable_logging_iteration_details``): context tokens, generation requests, elapsed
+  time. The KV tokens a step attends are taken as KV usage times capacity (each running
+  request attends to its whole context);
+- **per-request progress**: the tokens streamed so far. vLLM reports how many requests run
+  and wait, not which: the adapter lays the counts over arrival order, which is vLLM's
+  FCFS order (the earliest run; preemption takes the latest, which then wait with nothing
+  computed).
+
+A request vLLM refuses or fails (a prompt past ``max_model_len``, an out-of-vocabulary
+token id, an engine error) ends with an ``error`` event carrying vLLM's message, which
+the worker writes as the request's final record. The adapter publishes no latency model
+and no preset: the dispatcher starts from a prior and refits it from the samples.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,42 +38,147 @@ from typing import Any
 from blockq.protocol import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 
+MAX_PENDING_SAMPLES = 256
+
+# The watchdog: blocks on a pipe whose only write end the worker holds; the read returns
+# when the worker is gone, however it ended (SIGKILL included), and the watchdog then
+# kills its process group: the worker's, which vLLM's processes inherited.
+_WATCHDOG = "import os, signal, sys; sys.stdin.buffer.read(); os.killpg(os.getpgid(0), signal.SIGKILL)"
+_watchdog_pipe: list[int] = []  # the write end, held open for the process's life
+
 
 @dataclass(frozen=True)
 class VllmEngineOptions:
+    """What the worker asks of vLLM; None leaves vLLM's own default (and what it chose is
+    read back after start-up). ``kv_cache_bytes`` fixes the KV cache size (on CPU the
+    only sizing that does not depend on the machine's free memory);
+    ``gpu_memory_utilization`` is the fraction of device memory (on CPU: of the node's)
+    vLLM may take."""
+
     model: str | None
     max_num_seqs: int = 48
     max_num_batched_tokens: int = 512
-    max_model_len: int = 4096
-    block_size: int = 16
-    num_gpu_blocks: int | None = None    # for heartbeats; None: unknown until vLLM reports it
-    gpu_memory_utilization: float = 0.9
-    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+    block_size: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool | None = None
+    enforce_eager: bool = False
     extra_engine_args: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model: --model PATH is required for --engine vllm")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {value})")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0.0 < utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1] (got {utilization})")
+
+    def engine_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "model": self.model, "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens, "enable_chunked_prefill": True,
+            "enforce_eager": self.enforce_eager, "disable_log_stats": False,
+            "enable_logging_iteration_details": True}
+        optional = {"max_model_len": self.max_model_len, "block_size": self.block_size,
+                    "kv_cache_memory_bytes": self.kv_cache_bytes,
+                    "gpu_memory_utilization": self.gpu_memory_utilization,
+                    "enable_prefix_caching": self.enable_prefix_caching}
+        args.update({name: value for name, value in optional.items() if value is not None})
+        args.update(dict(self.extra_engine_args))
+        return args
 
 
-def build_vllm_engine(options: VllmEngineOptions) -> Any:
-    """vLLM's async engine for ``options`` (imports vLLM lazily)."""
+@dataclass
+class VllmStats:
+    """What vLLM's stat logger reported, as of its last call."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    samples: deque[tuple[int, int, int, float, int]] = field(
+        default_factory=lambda: deque(maxlen=MAX_PENDING_SAMPLES))
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, kv_capacity_tokens: int) -> None:
+        if iteration_stats is not None:
+            self.num_preemptions_total += int(iteration_stats.num_preempted_reqs)
+        if scheduler_stats is None:
+            return
+        self.num_running = int(scheduler_stats.num_running_reqs)
+        self.num_waiting = int(scheduler_stats.num_waiting_reqs) + int(scheduler_stats.num_skipped_waiting_reqs)
+        self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+        prefix = scheduler_stats.prefix_cache_stats
+        if prefix is not None:
+            self.prefix_cache_queries_total += int(prefix.queries)
+            self.prefix_cache_hits_total += int(prefix.hits)
+        details = scheduler_stats.iteration_details
+        if details is not None and not details.is_dummy and details.elapsed_ms > 0:
+            num_prefill_tokens = int(details.num_ctx_tokens)
+            # Chunks of one prompt each: the attention pairs of a chunk are not reported.
+            self.samples.append((num_prefill_tokens, int(details.num_generation_requests),
+                                 round(self.kv_cache_usage * kv_capacity_tokens), details.elapsed_ms / 1000,
+                                 num_prefill_tokens * (num_prefill_tokens + 1) // 2))
+
+
+def kill_engine_processes_on_exit() -> None:
+    """Make vLLM's engine-core and worker processes die with this process.
+
+    They are started with the spawn method and, when this process is killed with
+    SIGKILL, are re-parented to init and run on, holding the device's memory. This
+    process leads a process group of its own (which they inherit) and starts a watchdog
+    in it (:data:`_WATCHDOG`). Call once, before the engine starts; a supervisor that
+    signals this process by pid is unaffected."""
+    if _watchdog_pipe:
+        return
+    if os.getpgid(0) != os.getpid():
+        os.setpgid(0, 0)
+    read_fd, write_fd = os.pipe()  # not inherited: only this process holds the write end
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG], stdin=read_fd, stdout=subprocess.DEVNULL)
+    os.close(read_fd)
+    _watchdog_pipe.append(write_fd)
+
+
+def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> Any:
+    """vLLM's async engine for ``options``, its stat logger feeding ``stats``."""
     try:
-        from vllm import AsyncEngineArgs, AsyncLLMEngine
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
     except ImportError as exc:
-        raise RuntimeError("engine vllm: the 'vllm' package is not installed (pip install 'blockq[vllm]')") from exc
-    args = AsyncEngineArgs(model=options.model, max_num_seqs=options.max_num_seqs,
-                           max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
-                           block_size=options.block_size, gpu_memory_utilization=options.gpu_memory_utilization,
-                           enable_chunked_prefill=options.enable_chunked_prefill, **dict(options.extra_engine_args))
-    return AsyncLLMEngine.from_engine_args(args)
+        raise RuntimeError("engine vllm: the 'vllm' package is not installed (see `make vllm`)") from exc
+
+    class _Logger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            cache = vllm_config.cache_config
+            self._cache = cache
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            capacity = (self._cache.num_gpu_blocks or 0) * self._cache.block_size
+            stats.record(scheduler_stats, iteration_stats, capacity)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**options.engine_args()), stat_loggers=[_Logger])
 
 
 def sampling_params(spec: EngineRequestSpec) -> Any:
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                          stop=list(spec.stop) or None)
+    max_tokens = spec.max_tokens
+    if spec.true_output_tokens is not None:
+        # A trace replay: the trace's length, run past any end-of-sequence token.
+        max_tokens = min(max_tokens, spec.true_output_tokens)
+    return SamplingParams(max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                          stop=list(spec.stop) or None, ignore_eos=spec.ignore_eos,
+                          min_tokens=min(spec.min_tokens, max_tokens))
 
 
 @dataclass
@@ -80,27 +199,35 @@ class VllmEngine:
                  params_factory: Callable[[EngineRequestSpec], Any] = sampling_params) -> None:
         self.options = options
         self.model = f"vllm:{options.model}"
-        self.engine = engine if engine is not None else build_vllm_engine(options)
+        self.stats = VllmStats()
+        self.engine = engine if engine is not None else build_vllm_engine(options, self.stats)
         self.params_factory = params_factory
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, _Tracked] = {}  # in arrival order
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._origin_s = time.monotonic()
+        self._config = _engine_config(self.engine, options)
 
     def engine_config(self) -> dict[str, Any]:
-        return {"num_gpu_blocks": self.options.num_gpu_blocks or 0, "block_size": self.options.block_size,
-                "max_num_seqs": self.options.max_num_seqs,
-                "max_num_batched_tokens": self.options.max_num_batched_tokens,
-                "max_model_len": self.options.max_model_len}
+        return self._config
 
     def latency_model(self) -> dict[str, Any] | None:
-        return None  # the dispatcher uses its preset and refits from observed timings
+        return None  # the dispatcher starts from a prior and refits from the step samples
+
+    def engine_stats(self) -> dict[str, Any]:
+        stats = self.stats
+        return {"num_running_reqs": stats.num_running, "num_waiting_reqs": stats.num_waiting,
+                "kv_cache_usage": round(stats.kv_cache_usage, 4),
+                "num_preemptions_total": stats.num_preemptions_total,
+                "prefix_cache_queries_total": stats.prefix_cache_queries_total,
+                "prefix_cache_hits_total": stats.prefix_cache_hits_total}
 
     def model_time_s(self) -> float:
         return time.monotonic() - self._origin_s
 
     def validate(self, spec: EngineRequestSpec) -> str | None:
-        if spec.prompt_tokens >= self.options.max_model_len:
-            return f"prompt: {spec.prompt_tokens} tokens leave no room within max_model_len {self.options.max_model_len}"
+        max_model_len = self._config["max_model_len"]
+        if spec.prompt_tokens >= max_model_len:
+            return f"prompt: {spec.prompt_tokens} tokens leave no room within max_model_len {max_model_len}"
         return None
 
     def add_request(self, spec: EngineRequestSpec) -> None:
@@ -128,42 +255,85 @@ class VllmEngine:
         return bool(self._tracked) or not self._events.empty()
 
     async def step(self) -> EngineStepOutput:
-        """Wait for the next output (up to 50 ms) and return everything produced so far."""
+        """Wait for the next output (up to 50 ms) and return everything produced so far,
+        with the iterations vLLM ran meanwhile."""
         events: list[TokenEvent] = []
         with contextlib.suppress(TimeoutError):
             events.append(await asyncio.wait_for(self._events.get(), timeout=0.05))
         while not self._events.empty():
             events.append(self._events.get_nowait())
-        return EngineStepOutput(tuple(events), (), self.model_time_s())
+        samples = tuple(self.stats.samples)
+        self.stats.samples.clear()
+        return EngineStepOutput(tuple(events), (), self.model_time_s(), samples=samples)
 
     def progress(self) -> tuple[list[RequestProgress], list[RequestProgress], int]:
         running, waiting = [], []
-        num_blocks = 0
-        for request_id, tracked in self._tracked.items():
+        num_running = self.stats.num_running
+        for tracked in self._tracked.values():
             spec = tracked.spec
-            num_tokens = spec.prompt_tokens + tracked.num_tokens_sent
-            item = RequestProgress(request_id, spec.prompt_tokens, num_tokens if tracked.num_tokens_sent else 0,
-                                   tracked.num_tokens_sent, spec.predicted_output_tokens, spec.p90_tokens)
-            if tracked.num_tokens_sent:
-                running.append(item)
-                num_blocks += -(-num_tokens // self.options.block_size)
-            else:
-                waiting.append(item)
-        return running, waiting, num_blocks
+            is_running = len(running) < num_running
+            num_generated = tracked.num_tokens_sent
+            # A running request has computed everything but its last token; a waiting one
+            # (never started, or preempted) nothing.
+            num_computed = spec.prompt_tokens + num_generated - 1 if is_running and num_generated else 0
+            item = RequestProgress(spec.request_id, spec.prompt_tokens, num_computed, num_generated,
+                                   spec.predicted_output_tokens, spec.p90_tokens)
+            (running if is_running else waiting).append(item)
+        num_used_blocks = round(self.stats.kv_cache_usage * self._config["num_gpu_blocks"])
+        return running, waiting, num_used_blocks
 
     async def _consume(self, tracked: _Tracked, stream: AsyncIterator[Any]) -> None:
         request_id = tracked.spec.request_id
-        async for output in stream:
-            completion = output.outputs[0]
-            new_text = completion.text[tracked.text_sent:]
-            num_new_tokens = len(completion.token_ids) - tracked.num_tokens_sent
-            finished = bool(output.finished)
-            if num_new_tokens <= 0 and not finished:
-                continue
-            is_first = tracked.num_tokens_sent == 0 and num_new_tokens > 0
-            tracked.text_sent = len(completion.text)
-            tracked.num_tokens_sent += max(0, num_new_tokens)
-            reason = (completion.finish_reason or "stop") if finished else None
-            if finished:
-                self._tracked.pop(request_id, None)
-            await self._events.put(TokenEvent(request_id, new_text, max(0, num_new_tokens), is_first, finished, reason))
+        try:
+            async for output in stream:
+                self._on_output(tracked, output)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # vLLM's refusal or failure is this request's answer
+            self._tracked.pop(request_id, None)
+            message = f"engine: {type(exc).__name__}: {exc}"
+            await self._events.put(TokenEvent(request_id, "", 0, False, True, "error", message))
+
+    def _on_output(self, tracked: _Tracked, output: Any) -> None:
+        request_id = tracked.spec.request_id
+        completion = output.outputs[0]
+        new_text = completion.text[tracked.text_sent:]
+        num_new_tokens = len(completion.token_ids) - tracked.num_tokens_sent
+        finished = bool(output.finished)
+        if num_new_tokens <= 0 and not finished:
+            return
+        is_first = tracked.num_tokens_sent == 0 and num_new_tokens > 0
+        tracked.text_sent = len(completion.text)
+        tracked.num_tokens_sent += max(0, num_new_tokens)
+        reason = _finish_reason(completion.finish_reason) if finished else None
+        if finished:
+            self._tracked.pop(request_id, None)
+        self._events.put_nowait(TokenEvent(request_id, new_text, max(0, num_new_tokens), is_first, finished, reason))
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine-core and worker processes."""
+        with contextlib.suppress(Exception):
+            self.engine.shutdown()
+
+
+def _finish_reason(reason: str | None) -> str:
+    """vLLM's reasons are OpenAI's (``stop``, ``length``, ``abort``); others read as stop."""
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def _engine_config(engine: Any, options: VllmEngineOptions) -> dict[str, Any]:
+    """The engine config as beats carry it, from what vLLM chose at start-up where it
+    says (a stand-in engine without ``vllm_config`` gives the options)."""
+    config = getattr(engine, "vllm_config", None)
+    if config is None:
+        return {"num_gpu_blocks": 0, "block_size": options.block_size or 16, "max_num_seqs": options.max_num_seqs,
+                "max_num_batched_tokens": options.max_num_batched_tokens,
+                "max_model_len": options.max_model_len or 4096, "watermark": 0.0,
+                "enable_prefix_caching": bool(options.enable_prefix_caching)}
+    cache, scheduler = config.cache_config, config.scheduler_config
+    return {"num_gpu_blocks": int(cache.num_gpu_blocks or 0), "block_size": int(cache.block_size),
+            "max_num_seqs": int(scheduler.max_num_seqs),
+            "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
+            "max_model_len": int(config.model_config.max_model_len),
+            # vLLM V1 admits without a free-block watermark
+            "watermark": 0.0, "enable_prefix_caching": bool(cache.enable_prefix_caching)}

@@ -1,0 +1,210 @@
+"""The vLLM adapter against vLLM itself: a 2-instance `block` cluster of real vLLM engines
+(the CPU build) serving a tiny random-weight Llama that `blockq tiny-model` writes.
+
+Marked ``vllm``: run in the vLLM environment with ``make test-vllm`` (CI does). One
+cluster serves the whole module: a vLLM engine takes about a minute to start here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import socket
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+
+from blockq.client import Client
+from blockq.keys import Keys
+from blockq.protocol import decode_heartbeat
+from blockq.state import ClusterState
+from tests.conftest import run_blockq, wait_until
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.vllm
+
+# 2 MiB of KV cache per instance: 2,048 tokens of the tiny model (2 layers x 128 wide,
+# bf16), so that a few concurrent long requests preempt.
+KV_CACHE_BYTES = 2 * 1024 * 1024
+MAX_MODEL_LEN = 1024
+VOCAB_TOKENS = (100, 31_000)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("vllm")
+    made = run_blockq("tiny-model", str(root / "model"), timeout_s=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    env = {"BLOCKQ_STATE_DIR": str(root / "state"), "BLOCKQ_REDIS_URL": ""}
+    port = _free_port()
+    started_s = time.monotonic()
+    up = run_blockq("up", "--engine", "vllm", "--model", str(root / "model"), "--instances", "2",
+                    "--policy", "block", "--gateway", "--gateway-port", str(port), "--block-size", "32",
+                    "--kv-cache-bytes", str(KV_CACHE_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
+                    "--enforce-eager", "--detach", "--json", "--ready-timeout-s", "500", env=env, timeout_s=560)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:] + _logs(root / "state")
+        state = ClusterState.read(root / "state")
+        assert state is not None
+        print(f"\n2 vLLM instances up in {time.monotonic() - started_s:.1f} s")
+        yield {"env": env, "state": state, "state_dir": root / "state", "gateway": f"http://127.0.0.1:{port}/v1",
+               "model": f"vllm:{root / 'model'}"}
+    finally:
+        down = run_blockq("down", env=env, timeout_s=120)
+        assert down.returncode == 0, down.stderr
+
+
+def _logs(state_dir: Path) -> str:
+    logs = state_dir / "logs"
+    return "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.glob("*.log"))) if logs.is_dir() else ""
+
+
+def _beats(state: ClusterState) -> dict[str, Any]:
+    client = redis.Redis.from_url(state.redis_url)
+    try:
+        return {key.decode(): decode_heartbeat(raw) for key, raw in client.hgetall(Keys().instances).items()}
+    finally:
+        client.close()
+
+
+def _random_prompt(rng: random.Random, num_tokens: int) -> list[int]:
+    return [rng.randint(*VOCAB_TOKENS) for _ in range(num_tokens)]
+
+
+def _completions(cluster: dict[str, Any], sizes: list[int], rng: random.Random) -> list[Any]:
+    async def run() -> list[Any]:
+        client = openai.AsyncOpenAI(base_url=cluster["gateway"], api_key="unused", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*[
+                client.completions.create(model=cluster["model"], prompt=" ".join(["hello"] * rng.randint(4, 200)),
+                                          max_tokens=size, extra_body={"ignore_eos": True}) for size in sizes])
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def _forecast_errors(label: str, records: list[dict[str, Any]]) -> float:
+    """Prints the dispatcher's forecast error against what vLLM measured; returns the E2E MAE."""
+    ttft_errors_ms = [record["predicted_ttft_ms"] - record["ttft_ms"] for record in records]
+    e2e_errors_ms = [record["predicted_e2e_ms"] - record["e2e_ms"] for record in records]
+    e2e_mae_ms = statistics.fmean(map(abs, e2e_errors_ms))
+    print(f"\n{label}: forecast error (predicted - measured) over {len(records)} requests: "
+          f"TTFT mean {statistics.fmean(ttft_errors_ms):.0f} ms, MAE {statistics.fmean(map(abs, ttft_errors_ms)):.0f} ms "
+          f"(measured mean {statistics.fmean(r['ttft_ms'] for r in records):.0f} ms); "
+          f"E2E mean {statistics.fmean(e2e_errors_ms):.0f} ms, MAE {e2e_mae_ms:.0f} ms "
+          f"(measured mean {statistics.fmean(r['e2e_ms'] for r in records):.0f} ms)")
+    return e2e_mae_ms
+
+
+def test_fifty_requests_through_the_gateway_with_the_openai_client(cluster: dict[str, Any]) -> None:
+    """Exact token counts on both instances, and the dispatcher's forecasts against what
+    vLLM measured: the first burst is placed with the prior latency model, the second
+    after the replicas refitted it from the instances' step samples (printed: the figures
+    the README reports)."""
+    rng = random.Random(7)
+    sizes = [rng.randint(8, 48) for _ in range(50)]
+    responses = _completions(cluster, sizes, rng)
+    records = [response.model_dump()["choices"][0]["blockq"] for response in responses]
+    assert [r.usage.completion_tokens for r in responses] == sizes
+    assert {r.choices[0].finish_reason for r in responses} == {"length"}
+    assert {record["instance"] for record in records} == {"inst-0", "inst-1"}
+    cold_mae_ms = _forecast_errors("cold (prior latency model)", records)
+    warm = _completions(cluster, sizes[:25], rng)
+    warm_mae_ms = _forecast_errors("after the refit", [r.model_dump()["choices"][0]["blockq"] for r in warm])
+    assert warm_mae_ms < cold_mae_ms
+    beats = _beats(cluster["state"])
+    for beat in beats.values():
+        assert beat.preset == "vllm" and beat.engine_config["num_gpu_blocks"] == KV_CACHE_BYTES // 1024 // 32
+        assert beat.engine_config["block_size"] == 32 and beat.engine_config["max_model_len"] == MAX_MODEL_LEN
+        assert beat.engine_config["enable_prefix_caching"] is True
+        assert beat.engine_stats is not None and "prefix_cache_hits_total" in beat.engine_stats
+
+
+def test_streaming_then_a_cancel_frees_the_slot(cluster: dict[str, Any]) -> None:
+    async def run() -> tuple[str, str | None]:
+        client = openai.AsyncOpenAI(base_url=cluster["gateway"], api_key="unused", max_retries=0, timeout=300)
+        try:
+            text, reason = "", None
+            stream = await client.completions.create(model=cluster["model"], prompt="tell me", max_tokens=30,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            # A long one, dropped after its first chunks: the gateway cancels it.
+            long_stream = await client.completions.create(model=cluster["model"], prompt="go on", max_tokens=900,
+                                                          stream=True, extra_body={"ignore_eos": True})
+            num_chunks = 0
+            async for _ in long_stream:
+                num_chunks += 1
+                if num_chunks == 3:
+                    break
+            await long_stream.close()
+            return text, reason
+        finally:
+            await client.close()
+
+    text, reason = asyncio.run(run())
+    assert text and reason == "length"
+    # 900 tokens take ~25 s here; the slot is free within a few beats of the cancel.
+    wait_until(lambda: all(b.num_running_total == 0 and b.num_waiting_total == 0
+                           for b in _beats(cluster["state"]).values()), timeout_s=10.0, interval_s=0.2)
+
+
+def test_a_prompt_vllm_rejects_gets_an_error_record_at_once(cluster: dict[str, Any]) -> None:
+    with Client(cluster["state"].redis_url) as client:
+        started_s = time.monotonic()
+        record = client.submit([5, 999_999, 7], max_tokens=5).result(timeout_s=60)
+        assert time.monotonic() - started_s < 10.0
+    assert record.status == "error" and "out of vocabulary" in (record.error or "")
+
+
+def test_preemptions_with_a_small_cache_are_reported_in_the_beats(cluster: dict[str, Any]) -> None:
+    rng = random.Random(3)
+    before = sum(b.engine_stats["num_preemptions_total"] for b in _beats(cluster["state"]).values())
+    with Client(cluster["state"].redis_url) as client:
+        # 20 x 700 tokens over two 2,048-token caches.
+        handles = [client.submit(_random_prompt(rng, 300), max_tokens=400, ignore_eos=True, best_effort=True)
+                   for _ in range(20)]
+        records = [handle.result(timeout_s=600) for handle in handles]
+    assert [(r.status, r.output_tokens) for r in records] == [("ok", 400)] * 20
+    after = sum(b.engine_stats["num_preemptions_total"] for b in _beats(cluster["state"]).values())
+    print(f"\npreemptions reported in the beats: {after - before}")
+    assert after > before
+
+
+def test_kill_9_of_a_vllm_worker_loses_nothing_and_leaves_no_orphan(cluster: dict[str, Any]) -> None:
+    state = ClusterState.read(cluster["state_dir"])
+    assert state is not None
+    worker = psutil.Process(state.children["workers-0"])
+    engine_processes = worker.children(recursive=True)
+    assert any("EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name() for p in engine_processes)
+    rng = random.Random(5)
+    with Client(state.redis_url) as client:
+        handles = [client.submit(_random_prompt(rng, 50), max_tokens=150, ignore_eos=True, best_effort=True)
+                   for _ in range(12)]
+        wait_until(lambda: any(b.num_running_total for b in _beats(state).values()), timeout_s=30.0, interval_s=0.1)
+        worker.send_signal(signal.SIGKILL)
+        records = [handle.result(timeout_s=600) for handle in handles]
+    assert [(r.status, r.output_tokens) for r in records] == [("ok", 150)] * 12
+    _, alive = psutil.wait_procs(engine_processes, timeout=20)
+    assert not alive, f"orphans: {[(p.pid, p.name()) for p in alive]}"
+    # The supervisor restarts the worker; the cluster is whole again.
+    wait_until(lambda: json.loads(run_blockq("status", "--json", env=cluster["env"]).stdout)["num_live_instances"] == 2,
+               timeout_s=300.0, interval_s=2.0)
