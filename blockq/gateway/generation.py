@@ -159,18 +159,19 @@ class GenerationCall:
         return web.Response(body=json.dumps(body, separators=(",", ":")), headers=headers,
                             content_type="application/json")
 
-    async def _write_placements(self, response: web.StreamResponse) -> None:
-        """Where each choice went and its forecast, as SSE comments before the first token
+    async def _placement_comments(self) -> bytes:
+        """Where each choice went and its forecast, as SSE comments
         (``: x-blockq-placement {...}``; clients of the OpenAI stream ignore comments)."""
         deadline_s = time.monotonic() + self.timeout_s  # one bound for all of them
+        comments = b""
         for index, handle in enumerate(self.handles):
             placement = await handle.placement(max(0.0, deadline_s - time.monotonic()))
             if placement is not None:
                 body = {"index": index, "instance": placement.instance,
                         "predicted_ttft_ms": placement.predicted_ttft_ms,
                         "predicted_e2e_ms": placement.predicted_e2e_ms}
-                await response.write(b": x-blockq-placement " + json.dumps(body, separators=(",", ":")).encode()
-                                     + b"\n\n")
+                comments += b": x-blockq-placement " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+        return comments
 
     async def _respond_streaming(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={
@@ -178,29 +179,35 @@ class GenerationCall:
             "x-request-id": self.base_id})
         await response.prepare(request)
         builder = ChunkBuilder(self.plan, self.base_id, self.created_s)
-        for index in range(self.plan.num_choices):
-            opening = builder.opening(index)
-            if opening is not None:
-                await response.write(_sse(opening))
         finals: list[FinalRecord | None] = [None] * self.plan.num_choices
         is_first = True
         try:
-            await self._write_placements(response)
+            # The placement comments go out in one write with the first event after them:
+            # a client that splits the stream by network reads and strips each (vLLM's
+            # benchmark client does) would glue a comment written alone to the next event.
+            pending = await self._placement_comments()
+            openings = [builder.opening(index) for index in range(self.plan.num_choices)]
+            if any(opening is not None for opening in openings):
+                await response.write(pending + b"".join(_sse(o) for o in openings if o is not None))
+                pending = b""
             async for index, item in merged_stream(self.handles, self.timeout_s):
                 if isinstance(item, Chunk):
                     if is_first:
                         self.metrics.first_chunk.observe(time.perf_counter() - self.started_at_s,
                                                          endpoint=self.endpoint)
                         is_first = False
-                    await response.write(_sse(builder.text(index, item.text)))
+                    await response.write(pending + _sse(builder.text(index, item.text)))
+                    pending = b""
                     continue
                 finals[index] = item
                 self._account(item)
                 if item.status in FAILED_STATUSES:
                     error = self._failure(item)
-                    await response.write(_sse(error_body(error.message, error.error_type, code=error.code)))
+                    event = _sse(error_body(error.message, error.error_type, code=error.code))
                 else:
-                    await response.write(_sse(builder.finish(index, item)))
+                    event = _sse(builder.finish(index, item))
+                await response.write(pending + event)
+                pending = b""
         except TimeoutError:
             self._cancel_unfinished()
             await response.write(_sse(error_body(f"no result within {self.timeout_s:g} s; the request was "
