@@ -191,6 +191,17 @@ def test_step_lag_and_ingress_delay_are_what_the_run_measures() -> None:
     assert 15 < waits[len(waits) // 2] < 30 and waits[-1] > 2 * waits[0]
 
 
+def test_a_spread_ingress_delay_keeps_submit_order() -> None:
+    """Requests reach the dispatcher in the order they were submitted, however their
+    ingress delays are drawn: round robin then deals them out in that order."""
+    sample = _sample(120, seed=4)
+    run = simulate_run(SimulationConfig(instances=3, policy="round_robin", seed=4, ingress_delay_ms=20.0,
+                                        ingress_delay_sigma=1.5), sample, rate_per_s=40.0)
+    records = sorted(run.records, key=lambda r: r.submitted_at_s)
+    order = sorted({r.instance for r in records})
+    assert [r.instance for r in records] == [order[i % 3] for i in range(len(records))]
+
+
 def test_perturbed_predictions_hit_the_asked_error_and_keep_the_spread_honest() -> None:
     sample = _sample(400, seed=5, predictor="oracle")
     truth = [min(r.true_output_tokens or 1, r.max_tokens) for r in sample.requests if r is not None]

@@ -84,6 +84,10 @@ def batch_status(connection: redis.Redis, settings: Settings, job_id: str) -> di
     job = fetch_batch_job(connection, settings, job_id)
     meta = job.get_meta(refresh=True)
     status = job.get_status(refresh=True)
+    if status == JobStatus.FINISHED and meta.get("canceled"):
+        # rq marks a job that returned `finished`; the batch worker moves a canceled one
+        # to `canceled` just after (BatchWorker.handle_job_success): report where it ends.
+        status = JobStatus.CANCELED
     error = None
     if status == JobStatus.FAILED:
         latest = job.latest_result()

@@ -88,9 +88,14 @@ class ClusterSimulation:
         warmup_s, time_scale = self.config.warmup_s, self.config.time_scale
         ingress_s, sigma = self.config.ingress_delay_ms / 1000, self.config.ingress_delay_sigma
         rng = random.Random(f"ingress-{self.config.seed}")
+        readable_at_s = -math.inf
         for arrival_s, request in arrivals:
             delay_s = ingress_s * math.exp(rng.gauss(0.0, sigma)) if sigma else ingress_s
-            self._push(warmup_s + arrival_s * time_scale + delay_s, _ARRIVE, request)
+            # The way in is a chain of streams: a request is never read before one submitted
+            # earlier (independent draws alone would reorder them, and round robin's result
+            # depends on the order).
+            readable_at_s = max(readable_at_s, warmup_s + arrival_s * time_scale + delay_s)
+            self._push(readable_at_s, _ARRIVE, request)
         self._num_expected = len(arrivals)
         handlers = (self._on_step_end, self._on_intake, self._on_enqueue, self._on_beat,
                     self._on_beat_arrives, self._on_arrive, self._on_dispatch_done)

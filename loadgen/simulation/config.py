@@ -32,7 +32,8 @@ class SimulationConfig:
 
     ``ingress_delay_ms``: from a client's submit until the dispatcher can read the
     annotated request (the predictor stage and two stream hops): the median of a lognormal
-    with ``ingress_delay_sigma`` (0: the same for every request). ``heartbeat_ms`` /
+    with ``ingress_delay_sigma`` (0: the same for every request), in submit order (a request
+    is never readable before an earlier one). ``heartbeat_ms`` /
     ``heartbeat_delay_ms``: a worker's beat period, and how long a beat takes to reach the
     dispatcher. ``decision_delay_ms``: the cost of one placement (None: the policy's
     measured cost, :data:`DECISION_COST_MS`); a batch's queue writes land after all of its
