@@ -71,7 +71,8 @@ def test_vllm_from_overrides_passes_only_the_options_set() -> None:
 
 
 def test_up_flags_map_to_the_vllm_fields() -> None:
-    from blockq.cli import _cluster_config, build_parser
+    from blockq.cli import build_parser
+    from blockq.cli_up import _cluster_config
 
     args = build_parser().parse_args(["up", "--engine", "vllm", "--model", "/m", "--block-size", "32",
                                       "--kv-cache-bytes", "1000", "--gpu-memory-utilization", "0.5",

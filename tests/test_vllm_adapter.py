@@ -125,3 +125,34 @@ def test_missing_vllm_package_is_a_clear_error() -> None:
             VllmEngine(VllmEngineOptions(model="/models/llama"))
     else:
         pytest.skip("vLLM is installed")
+
+
+def test_what_a_killed_worker_started_dies_with_it(tmp_path) -> None:  # noqa: ANN001
+    """The watchdog kills the processes a worker started (vLLM's engine processes) once
+    the worker is gone, even by SIGKILL: a real process tree here, without vLLM."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.conftest import REPO_ROOT, wait_until
+
+    script = tmp_path / "worker.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "from workers.engines.vllm import kill_engine_processes_on_exit\n"
+                      "kill_engine_processes_on_exit()\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+                      "print(child.pid, flush=True)\n"
+                      "time.sleep(300)\n")
+    worker = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        child = psutil.Process(int(worker.stdout.readline()))
+        time.sleep(1.5)  # the watchdog notes descendants every 0.5 s (vLLM's start in ~30 s)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+        wait_until(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, timeout_s=10.0,
+                   interval_s=0.1)
+    finally:
+        worker.kill()

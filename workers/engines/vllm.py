@@ -40,10 +40,29 @@ from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 
 MAX_PENDING_SAMPLES = 256
 
-# The watchdog: blocks on a pipe whose only write end the worker holds; the read returns
-# when the worker is gone, however it ended (SIGKILL included), and the watchdog then
-# kills its process group: the worker's, which vLLM's processes inherited.
-_WATCHDOG = "import os, signal, sys; sys.stdin.buffer.read(); os.killpg(os.getpgid(0), signal.SIGKILL)"
+# The watchdog: notes the worker's descendants every half second, and blocks on a pipe
+# whose only write end the worker holds; the read returns when the worker is gone,
+# however it ended (SIGKILL included), and the watchdog then kills what it noted (psutil
+# checks each process's start time, so a reused pid is left alone).
+_WATCHDOG = """
+import sys, threading, time
+import psutil
+worker, me, seen = psutil.Process(int(sys.argv[1])), psutil.Process(), {}
+def note():
+    while True:
+        try:
+            seen.update((p.pid, p) for p in worker.children(recursive=True) if p.pid != me.pid)
+        except psutil.Error:
+            return
+        time.sleep(0.5)
+threading.Thread(target=note, daemon=True).start()
+sys.stdin.buffer.read()
+for process in seen.values():
+    try:
+        process.kill()
+    except psutil.Error:
+        pass
+"""
 _watchdog_pipe: list[int] = []  # the write end, held open for the process's life
 
 
@@ -130,16 +149,15 @@ def kill_engine_processes_on_exit() -> None:
     """Make vLLM's engine-core and worker processes die with this process.
 
     They are started with the spawn method and, when this process is killed with
-    SIGKILL, are re-parented to init and run on, holding the device's memory. This
-    process leads a process group of its own (which they inherit) and starts a watchdog
-    in it (:data:`_WATCHDOG`). Call once, before the engine starts; a supervisor that
-    signals this process by pid is unaffected."""
+    SIGKILL, are re-parented to init and run on, holding the device's memory. A watchdog
+    process (:data:`_WATCHDOG`) kills them once this process is gone. Call once, before
+    the engine starts. (Not a process group of its own: that would take the worker out of
+    its terminal's, and Ctrl-C would no longer reach it.)"""
     if _watchdog_pipe:
         return
-    if os.getpgid(0) != os.getpid():
-        os.setpgid(0, 0)
     read_fd, write_fd = os.pipe()  # not inherited: only this process holds the write end
-    subprocess.Popen([sys.executable, "-c", _WATCHDOG], stdin=read_fd, stdout=subprocess.DEVNULL)
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid())], stdin=read_fd,
+                     stdout=subprocess.DEVNULL, start_new_session=True)
     os.close(read_fd)
     _watchdog_pipe.append(write_fd)
 
