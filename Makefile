@@ -54,7 +54,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -c "from blockq.engine_model.packed import warm_up; warm_up()"
 	touch $(VLLM_STAMP)
 
-# The real-vLLM tests (a 2-instance cluster of vLLM engines on a tiny model; ~6 minutes here).
+# The real-vLLM tests (a 2-instance cluster of vLLM engines on a tiny model; 4-5 minutes here).
 test-vllm: vllm
 	@$(VLLM_VENV)/bin/python -m pytest -q -m vllm -s tests/test_vllm_real.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc

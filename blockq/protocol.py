@@ -97,6 +97,12 @@ def _check_range(name: str, value: float, low: float, high: float) -> None:
         raise ValidationError(name, f"must be between {low} and {high} (got {value})")
 
 
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    """``min_tokens`` may not ask for more than ``max_tokens`` allows."""
+    if min_tokens > max_tokens:
+        raise ValidationError("min_tokens", f"must be at most max_tokens ({max_tokens}) (got {min_tokens})")
+
+
 def _check_text(name: str, value: str, max_chars: int) -> None:
     if len(value) > max_chars:
         raise ValidationError(name, f"must be at most {max_chars} characters (got {len(value)})")
@@ -264,8 +270,7 @@ class Request:
             assignment=Assignment.from_map(assignment) if assignment is not None else None,
         )
         _check_range("temperature", request.temperature, 0.0, 2.0)
-        if request.min_tokens > max_tokens:
-            raise ValidationError("min_tokens", f"must be at most max_tokens ({max_tokens}) (got {request.min_tokens})")
+        check_min_tokens(request.min_tokens, max_tokens)
         if request.slo_ttft_ms is not None:
             _check_range("slo_ttft_ms", request.slo_ttft_ms, 1.0, MAX_SLO_TTFT_MS)
         if not 0.0 < request.top_p <= 1.0:

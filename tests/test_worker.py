@@ -176,3 +176,23 @@ def test_restart_after_crash_resumes_pending(settings: Settings, sync_redis: red
     records = finals(sync_redis, settings, ids)
     assert all(r.status == "ok" and r.output_tokens == 60 for r in records.values())
     assert sync_redis.xpending(queue, GROUP_WORK)["pending"] == 0
+
+
+def test_the_emulated_engine_reports_its_counters_as_beats_carry_them() -> None:
+    """``engine_stats``: the same names the vLLM adapter reports, counted from the steps
+    (a 20-block cache that six long requests overflow, so that it preempts)."""
+    from workers.engines.base import EngineRequestSpec
+
+    engine = EmulatedEngine(EmulatedEngineOptions(noise_sigma=0.0, config_overrides=(("num_gpu_blocks", 20),
+                                                                            ("max_model_len", 256))))
+    for index in range(6):
+        engine.add_request(EngineRequestSpec(request_id=f"r{index}", prompt="p", prompt_tokens=40, max_tokens=100,
+                                             true_output_tokens=100))
+    num_preempted = 0
+    while (result := engine.start_step()) is not None:
+        num_preempted += len(engine.finish_step(result).preempted_ids)
+        running, waiting, num_used_blocks = engine.progress()
+        stats = engine.engine_stats()
+        assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (len(running), len(waiting))
+        assert stats["kv_cache_usage"] == round(num_used_blocks / 20, 4)
+    assert num_preempted > 0 and engine.engine_stats()["num_preemptions_total"] == num_preempted

@@ -14,6 +14,7 @@ import structlog
 
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import connect_async
+from workers.engines.vllm import VllmEngineOptions  # imports vLLM only to build one
 from workers.worker import InstanceWorker, WorkerFailed, WorkerOptions
 
 log = structlog.get_logger(__name__)
@@ -35,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval-ms", type=float, default=50.0, help="min ms between output chunks")
     parser.add_argument("--model", default=None, help="model path for --engine vllm")
     vllm = parser.add_argument_group("vLLM engine (None: vLLM's default; what it chose is read back)")
-    vllm.add_argument("--max-num-seqs", type=int, default=48)
-    vllm.add_argument("--max-num-batched-tokens", type=int, default=512)
+    vllm.add_argument("--max-num-seqs", type=int, default=VllmEngineOptions.max_num_seqs)
+    vllm.add_argument("--max-num-batched-tokens", type=int, default=VllmEngineOptions.max_num_batched_tokens)
     vllm.add_argument("--max-model-len", type=int, default=None)
     vllm.add_argument("--block-size", type=int, default=None, help="KV block size (vLLM's CPU attention: a multiple of 32)")
     vllm.add_argument("--kv-cache-bytes", type=int, default=None, help="fixed KV cache size in bytes")
@@ -53,11 +54,7 @@ def instance_ids(args: argparse.Namespace) -> list[str]:
 
 def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine protocol
     if args.engine == "vllm":
-        from workers.engines.vllm import (
-            VllmEngine,
-            VllmEngineOptions,
-            kill_engine_processes_on_exit,
-        )
+        from workers.engines.vllm import VllmEngine, kill_engine_processes_on_exit
 
         kill_engine_processes_on_exit()
         return VllmEngine(VllmEngineOptions(

@@ -181,37 +181,41 @@ class GenerationCall:
         builder = ChunkBuilder(self.plan, self.base_id, self.created_s)
         finals: list[FinalRecord | None] = [None] * self.plan.num_choices
         is_first = True
+        # The placement comments go out in one write with the first event after them: a
+        # client that splits the stream by network reads and strips each (vLLM's benchmark
+        # client does) would glue a comment written alone to the next event.
+        pending = b""
+
+        async def write(event: bytes) -> None:
+            nonlocal pending
+            await response.write(pending + event)
+            pending = b""
+
         try:
-            # The placement comments go out in one write with the first event after them:
-            # a client that splits the stream by network reads and strips each (vLLM's
-            # benchmark client does) would glue a comment written alone to the next event.
             pending = await self._placement_comments()
             openings = [builder.opening(index) for index in range(self.plan.num_choices)]
-            if any(opening is not None for opening in openings):
-                await response.write(pending + b"".join(_sse(o) for o in openings if o is not None))
-                pending = b""
+            opening_events = [_sse(opening) for opening in openings if opening is not None]
+            if opening_events:
+                await write(b"".join(opening_events))
             async for index, item in merged_stream(self.handles, self.timeout_s):
                 if isinstance(item, Chunk):
                     if is_first:
                         self.metrics.first_chunk.observe(time.perf_counter() - self.started_at_s,
                                                          endpoint=self.endpoint)
                         is_first = False
-                    await response.write(pending + _sse(builder.text(index, item.text)))
-                    pending = b""
+                    await write(_sse(builder.text(index, item.text)))
                     continue
                 finals[index] = item
                 self._account(item)
                 if item.status in FAILED_STATUSES:
                     error = self._failure(item)
-                    event = _sse(error_body(error.message, error.error_type, code=error.code))
+                    await write(_sse(error_body(error.message, error.error_type, code=error.code)))
                 else:
-                    event = _sse(builder.finish(index, item))
-                await response.write(pending + event)
-                pending = b""
+                    await write(_sse(builder.finish(index, item)))
         except TimeoutError:
             self._cancel_unfinished()
-            await response.write(_sse(error_body(f"no result within {self.timeout_s:g} s; the request was "
-                                                 "cancelled", "timeout", code="timeout")))
+            await write(_sse(error_body(f"no result within {self.timeout_s:g} s; the request was "
+                                        "cancelled", "timeout", code="timeout")))
         except ConnectionError:  # the client went away between our writes
             self.metrics.disconnects.inc()
             self._cancel_unfinished()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockq.client import SubmitSpec
-from blockq.protocol import MAX_SLO_TTFT_MS, PRIORITIES, ValidationError
+from blockq.protocol import MAX_SLO_TTFT_MS, PRIORITIES, ValidationError, check_min_tokens
 
 ENDPOINT_COMPLETIONS = "completions"
 ENDPOINT_CHAT = "chat.completions"
@@ -268,9 +268,7 @@ def _plan(endpoint: str, common: dict[str, Any], prompts: tuple[Prompt, ...], ec
           defaults: RequestDefaults) -> GenerationPlan:
     if len(prompts) * common["n"] > defaults.max_choices:
         raise ValidationError("n", f"prompts x n must be at most {defaults.max_choices}")
-    if common["min_tokens"] > common["max_tokens"]:
-        raise ValidationError("min_tokens", f"must be at most max_tokens ({common['max_tokens']}) "
-                              f"(got {common['min_tokens']})")
+    check_min_tokens(common["min_tokens"], common["max_tokens"])
     return GenerationPlan(endpoint=endpoint, prompts=prompts, echo=echo, **common)
 
 

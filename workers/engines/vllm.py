@@ -81,9 +81,7 @@ class VllmEngineOptions:
     block_size: int | None = None
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float | None = None
-    enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
-    extra_engine_args: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -104,10 +102,8 @@ class VllmEngineOptions:
             "enable_logging_iteration_details": True}
         optional = {"max_model_len": self.max_model_len, "block_size": self.block_size,
                     "kv_cache_memory_bytes": self.kv_cache_bytes,
-                    "gpu_memory_utilization": self.gpu_memory_utilization,
-                    "enable_prefix_caching": self.enable_prefix_caching}
+                    "gpu_memory_utilization": self.gpu_memory_utilization}
         args.update({name: value for name, value in optional.items() if value is not None})
-        args.update(dict(self.extra_engine_args))
         return args
 
 
@@ -173,8 +169,7 @@ def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> Any:
 
     class _Logger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            cache = vllm_config.cache_config
-            self._cache = cache
+            self._cache = vllm_config.cache_config  # its block count is known only after start-up
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
@@ -267,7 +262,7 @@ class VllmEngine:
         return True
 
     def num_admittable(self) -> int:
-        return max(0, self.options.max_num_seqs - len(self._tracked))
+        return max(0, self._config["max_num_seqs"] - len(self._tracked))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked) or not self._events.empty()
@@ -347,7 +342,7 @@ def _engine_config(engine: Any, options: VllmEngineOptions) -> dict[str, Any]:
         return {"num_gpu_blocks": 0, "block_size": options.block_size or 16, "max_num_seqs": options.max_num_seqs,
                 "max_num_batched_tokens": options.max_num_batched_tokens,
                 "max_model_len": options.max_model_len or 4096, "watermark": 0.0,
-                "enable_prefix_caching": bool(options.enable_prefix_caching)}
+                "enable_prefix_caching": False}
     cache, scheduler = config.cache_config, config.scheduler_config
     return {"num_gpu_blocks": int(cache.num_gpu_blocks or 0), "block_size": int(cache.block_size),
             "max_num_seqs": int(scheduler.max_num_seqs),
