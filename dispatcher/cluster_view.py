@@ -46,6 +46,7 @@ class InstanceView:
     # Whether refresh_health already reported this instance gone (dead or stopped) since
     # its last beat that said otherwise: its queue is re-placed once per departure.
     left_reported: bool = False
+    drain_reported: bool = False    # whether refresh_health reported it draining (once per drain)
 
     @property
     def config(self) -> EngineConfig:
@@ -135,6 +136,8 @@ class ClusterView:
         view.health = beat.state
         if beat.state != "stopped":
             view.left_reported = False
+        if beat.state not in ("draining", "stopped"):
+            view.drain_reported = False  # back to work: a later drain is reported again
         self._reconcile(view, beat)
         if view.replica is None:
             if self.keep_replicas and beat.state == "live":
@@ -177,14 +180,18 @@ class ClusterView:
         view.batch_request_ids.difference_update(beat.finished_ids)
 
     def refresh_health(self, now_s: float) -> list[InstanceView]:
-        """Update health from beat ages; returns the instances that just left: became
-        ``dead``, or were first seen ``stopped`` (each once per departure)."""
+        """Update health from beat ages; returns the instances whose queues are to be
+        placed elsewhere: those that just left (became ``dead``, or were first seen
+        ``stopped``) and those first seen ``draining`` (each once per departure)."""
         newly_gone = []
         for view in self.instances.values():
             if view.health not in ("dead", "stopped"):
                 view.health = self._classify(view, now_s)
             if view.health in ("dead", "stopped") and not view.left_reported:
                 view.left_reported = True
+                newly_gone.append(view)
+            elif view.health == "draining" and not view.drain_reported:
+                view.drain_reported = True
                 newly_gone.append(view)
         return newly_gone
 

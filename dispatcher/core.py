@@ -12,12 +12,13 @@ depends on that figure.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from blockq.health import HealthPolicy
 from blockq.protocol import Assignment, Heartbeat, Request
 from dispatcher.admission import Infeasible, judge
+from dispatcher.autoscale.futures import DRAINING, LIVE, STARTING, FleetSnapshot, InstanceState
 from dispatcher.cluster_view import InstanceView
 from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies import Policy, make_policy, make_view
@@ -114,11 +115,34 @@ class DispatcherCore:
 
     def refresh_health(self, now_s: float) -> list[str]:
         """Update health from beat ages; the ids of instances that just left (became
-        ``dead``, or were first seen ``stopped``): their queues are to be re-placed."""
+        ``dead``, or were first seen ``stopped``) or started draining: their queues (a
+        draining one's unread entries) are to be re-placed."""
         return [view.instance_id for view in self.view.refresh_health(now_s)]
 
     def live_instances(self) -> list[InstanceView]:
         return self.view.live_instances()
+
+    def fleet_snapshot(self, now_s: float, starting: Mapping[str, float], num_unplaced: int = 0) -> FleetSnapshot:
+        """The fleet as a scaler sees it at ``now_s``: every live or draining instance with
+        its replica advanced to now (on the caller's clock: one instance's model time
+        starts when its engine did), plus ``starting`` (instance id → when it is expected
+        to take requests) for those not live yet; new instances are modelled on a live
+        one's engine config and (refitted) latency model."""
+        states: list[InstanceState] = []
+        config, latency_model = None, None
+        for view in sorted(self.view.instances.values(), key=lambda v: v.instance_id):
+            if view.health not in (LIVE, DRAINING):
+                continue
+            replica = self.view.replica(view, now_s)
+            config, latency_model = replica.config, replica.latency_model
+            states.append(InstanceState(
+                view.instance_id, view.health, replica.scheduler.rebased(now_s),
+                kv_usage=view.heartbeat.num_used_blocks / max(1, replica.config.num_gpu_blocks),
+                num_waiting=view.num_waiting + len(view.assigned_not_seen), num_running=view.num_running))
+        seen = {state.instance_id for state in states}
+        states.extend(InstanceState(instance_id, STARTING, ready_at_s=ready_at_s)
+                      for instance_id, ready_at_s in sorted(starting.items()) if instance_id not in seen)
+        return FleetSnapshot(now_s, tuple(states), config, latency_model, num_unplaced)
 
     # --- placement ----------------------------------------------------------------------
 

@@ -110,3 +110,35 @@ def build_schedule(
         return [(0.0, request) for request in requests]
     offsets_s = gamma_arrivals(len(requests), rate_per_s, burstiness, seed)
     return [(float(at_s), request) for at_s, request in zip(offsets_s, requests, strict=True)]
+
+
+def parse_rate_profile(text: str) -> list[tuple[float, float]]:
+    """``"300:4,300:5,..."`` → [(300.0, 4.0), (300.0, 5.0), ...]: (seconds, requests/s)
+    steps. Raises ValueError naming the bad step."""
+    steps = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            seconds, rate = (float(x) for x in item.split(":"))
+        except ValueError:
+            raise ValueError(f"rate_profile: {item!r} is not SECONDS:RATE") from None
+        if not (np.isfinite(seconds) and seconds > 0 and np.isfinite(rate) and rate >= 0):
+            raise ValueError(f"rate_profile: {item!r} needs seconds > 0 and a rate >= 0")
+        steps.append((seconds, rate))
+    if not steps:
+        raise ValueError("rate_profile: no steps")
+    return steps
+
+
+def profile_arrivals(profile: Sequence[tuple[float, float]], seed: int) -> np.ndarray:
+    """Offsets (s) of a Poisson process whose rate follows ``profile`` ((seconds, req/s)
+    steps, back to back from 0), as one sorted array."""
+    rng = np.random.default_rng(seed)
+    offsets: list[np.ndarray] = []
+    start_s = 0.0
+    for seconds, rate in profile:
+        count = rng.poisson(rate * seconds)
+        offsets.append(start_s + np.sort(rng.uniform(0.0, seconds, count)))
+        start_s += seconds
+    return np.concatenate(offsets).astype(np.float64) if offsets else np.zeros(0, np.float64)

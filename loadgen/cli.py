@@ -24,10 +24,11 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("mode", nargs="?", choices=["run", "capacity"], default="run",
+def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ...] = ("run", "capacity"),
+                        mode_help: str = "") -> None:
+    parser.add_argument("mode", nargs="?", choices=list(modes), default="run",
                         help="run: every policy at every rate; capacity: per policy, the highest rate "
-                             "meeting the SLO (binary search between the lowest and highest --rates)")
+                             "meeting the SLO (binary search between the lowest and highest --rates)" + mode_help)
     parser.add_argument("--capacity-tolerance", type=float, default=2.0, help="req/s: stop bisecting below this")
     parser.add_argument("--capacity-iterations", type=int, default=3, help="bisection runs at most, per policy")
     parser.add_argument("--trace", default="synthetic", help="trace path (format detected) or 'synthetic'")

@@ -186,3 +186,26 @@ def capacity_noise_plot(entries: Sequence[Mapping[str, Any]], path: Path) -> Pat
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=8)
     return _save(figure, path)
+
+
+def plot_fleet_timelines(path: Path, timelines: Mapping[str, Mapping[str, Sequence[float]]], *,
+                         slo_ttft_ms: float) -> Path:
+    """Fleet size (top) and per-minute P99 TTFT (bottom, log axis, the SLO dashed) over
+    time, one line per scaler: ``{scaler: {"at_s", "size", "minute_s", "p99_ttft_ms"}}``."""
+    if not timelines:
+        return _no_data(path, "fleet size over time")
+    figure = Figure(figsize=(10, 6.4), dpi=_DPI)
+    FigureCanvasAgg(figure)
+    size_axis, ttft_axis = figure.add_subplot(2, 1, 1), figure.add_subplot(2, 1, 2)
+    for name, timeline in timelines.items():
+        size_axis.step(np.asarray(timeline["at_s"]) / 60, timeline["size"], where="post", label=name)
+        p99 = np.minimum(np.asarray(timeline["p99_ttft_ms"], dtype=float), 1e6)
+        ttft_axis.plot(np.asarray(timeline["minute_s"]) / 60, p99, label=name)
+    size_axis.set_ylabel("instances (started)")
+    size_axis.legend()
+    ttft_axis.axhline(slo_ttft_ms, linestyle="--", color="grey", label="SLO")
+    ttft_axis.set_yscale("log")
+    ttft_axis.set_ylabel("P99 TTFT per minute (ms)")
+    ttft_axis.set_xlabel("minutes")
+    ttft_axis.legend()
+    return _save(figure, path)

@@ -137,6 +137,15 @@ class PackedScheduler:
         other._linear_table_s = self._linear_table_s
         return other
 
+    def rebased(self, now_s: float) -> PackedScheduler:
+        """A copy on another clock: every time shifted so that its clock reads ``now_s``
+        (NaN stays NaN), e.g. to simulate instances started at different times together."""
+        other = self.clone()
+        offset_s = now_s - self.now_s
+        other.times += offset_s
+        other.clock[0] = now_s
+        return other
+
     # --- state ----------------------------------------------------------------------------
 
     @property

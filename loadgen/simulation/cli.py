@@ -23,6 +23,7 @@ from loadgen.cli import add_bench_arguments, print_results
 from loadgen.metrics import KvSample, RequestRecord
 from loadgen.plots import run_key
 from loadgen.report import write_report
+from loadgen.simulation.autoscale_cli import add_autoscale_arguments, run_autoscale_command
 from loadgen.simulation.capacity import run_capacity
 from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.plan import Progress, build_plan
@@ -38,7 +39,8 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    add_bench_arguments(parser)
+    add_bench_arguments(parser, modes=("run", "capacity", "autoscale"),
+                        mode_help="; autoscale: scalers compared on one workload (see --scalers)")
     # Virtual time makes runs cheap: bisect to 0.25 req/s, as many steps as that takes.
     parser.set_defaults(out=None, capacity_tolerance=0.25, capacity_iterations=16)
     parser.add_argument("--seeds", type=_seeds, default=None,
@@ -70,9 +72,12 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--best-effort", action="store_true",
                         help="serve every request however late: no 'infeasible' answers past the SLO")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_autoscale_arguments(parser)
 
 
 def run_simulate_command(args: argparse.Namespace) -> int:
+    if args.mode == "autoscale":
+        return run_autoscale_command(args)
     started = time.perf_counter()
     plan = build_plan(args)
     if args.mode == "capacity":

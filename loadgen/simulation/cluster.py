@@ -33,7 +33,7 @@ from workers.engines.emulated import EmulatedEngineOptions
 from workers.intake import WorkerOptions
 
 # Event kinds, in the order same-time events are handled.
-_STEP_END, _INTAKE, _ENQUEUE, _BEAT, _BEAT_ARRIVES, _ARRIVE, _DISPATCH_DONE = range(7)
+_STEP_END, _INTAKE, _ENQUEUE, _BEAT, _BEAT_ARRIVES, _ARRIVE, _DISPATCH_DONE, _SCALE = range(8)
 
 
 @dataclass
@@ -47,6 +47,8 @@ class ClusterResult:
     num_events: int
     end_s: float
     counters: dict[str, int] = field(default_factory=dict)
+    num_missed: int = 0     # answers that missed the TTFT objective (or were not ``ok``)
+    aborted: bool = False   # stopped early: more than ``abort_after_misses`` missed
 
 
 class ClusterSimulation:
@@ -59,32 +61,42 @@ class ClusterSimulation:
         self._seq = 0
         self.core = DispatcherCore(config.policy, seed=config.seed, objective=config.objective,
                                    slo_ttft_ms=config.slo_ttft_ms)
-        rng = random.Random(config.seed)
-        worker_options = WorkerOptions(bundle_size=config.bundle_size, idle_poll_ms=int(config.idle_poll_ms))
-        clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instances' wall clock
+        self._rng = random.Random(config.seed)
+        self._worker_options = WorkerOptions(bundle_size=config.bundle_size, idle_poll_ms=int(config.idle_poll_ms))
         self.instances: dict[str, SimulatedInstance] = {}
         for index in range(config.instances):
-            instance_id = f"gpu{index}"
-            options = EmulatedEngineOptions(preset=config.preset, noise_sigma=config.noise_sigma, stream_tokens=False,
-                                            time_scale=config.time_scale, seed=rng.randrange(2**31))
-            self.instances[instance_id] = SimulatedInstance.create(instance_id, options, worker_options, clock)
-            # Beats start at a random phase, as independently started workers do.
-            self._push(rng.random() * config.heartbeat_ms / 1000, _BEAT, instance_id)
+            self.add_instance(f"gpu{index}", 0.0)
         self._ready: deque[Request] = deque()
         self._held: list[Request] = []
         self._pending_beats: list[Heartbeat] = []
         self._dispatcher_busy = False
         self._intake_scheduled: set[str] = set()
         self._num_expected = 0
+        self._abort_after_misses: int | None = None
         self.result = ClusterResult({}, {}, [], 0, 0.0)
+
+    def add_instance(self, instance_id: str, up_at_s: float) -> SimulatedInstance:
+        """A new instance whose worker beats from ``up_at_s`` on (its engine started)."""
+        config = self.config
+        options = EmulatedEngineOptions(preset=config.preset, noise_sigma=config.noise_sigma, stream_tokens=False,
+                                        time_scale=config.time_scale, seed=self._rng.randrange(2**31))
+        clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instance's wall clock
+        instance = self.instances[instance_id] = SimulatedInstance.create(
+            instance_id, options, self._worker_options, clock)
+        # Beats start at a random phase, as independently started workers do.
+        self._push(up_at_s + self._rng.random() * config.heartbeat_ms / 1000, _BEAT, instance_id)
+        return instance
 
     # --- the loop -----------------------------------------------------------------------
 
     def run(self, arrivals: Sequence[tuple[float, Request]],
-            on_progress: Callable[[int, int], None] | None = None) -> ClusterResult:
+            on_progress: Callable[[int, int], None] | None = None, *,
+            abort_after_misses: int | None = None) -> ClusterResult:
         """Simulate until every request is answered. Arrival times are model seconds from
         the first request, submitted on the wall clock as a replay submits them (model time
-        × ``time_scale``), after the instances' ``warmup_s``."""
+        × ``time_scale``), after the instances' ``warmup_s``. ``abort_after_misses``: stop
+        early (``aborted``) once more answers than that missed the TTFT objective."""
+        self._abort_after_misses = abort_after_misses
         warmup_s, time_scale = self.config.warmup_s, self.config.time_scale
         ingress_s, sigma = self.config.ingress_delay_ms / 1000, self.config.ingress_delay_sigma
         rng = random.Random(f"ingress-{self.config.seed}")
@@ -98,7 +110,7 @@ class ClusterSimulation:
             self._push(readable_at_s, _ARRIVE, request)
         self._num_expected = len(arrivals)
         handlers = (self._on_step_end, self._on_intake, self._on_enqueue, self._on_beat,
-                    self._on_beat_arrives, self._on_arrive, self._on_dispatch_done)
+                    self._on_beat_arrives, self._on_arrive, self._on_dispatch_done, self._on_scale)
         result = self.result
         num_answered = 0
         events = self._events
@@ -112,9 +124,22 @@ class ClusterSimulation:
                 num_answered = answered
                 if on_progress is not None:
                     on_progress(num_answered, self._num_expected)
+                if abort_after_misses is not None and result.num_missed > abort_after_misses:
+                    result.aborted = True
+                    break
         result.end_s = self.now_s
         result.counters = self._counters()
         return result
+
+    def _on_scale(self, payload: Any) -> None:
+        """Autoscaling decisions (a subclass's): none here."""
+
+    def _answer(self, final: FinalRecord) -> None:
+        if final.request_id in self.result.finals:  # the simulation's own invariant: one answer each
+            raise RuntimeError(f"{final.request_id}: answered twice")
+        self.result.finals[final.request_id] = final
+        if final.status != "ok" or final.ttft_ms is None or final.ttft_ms > self.config.slo_ttft_ms:
+            self.result.num_missed += 1
 
     def _push(self, time_s: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -132,13 +157,33 @@ class ClusterSimulation:
             self._pending_beats.append(beat)
             return
         self.core.apply_heartbeat(beat, self.now_s)
+        if beat.state != "live":  # it drains or stopped: its unread queue goes elsewhere
+            for instance_id in self.core.refresh_health(self.now_s):
+                self._replace_queue(self.instances[instance_id])
         if self._held:
             self._dispatch()
+
+    def _replace_queue(self, instance: SimulatedInstance) -> None:
+        """What the live dispatcher does with a draining or stopped instance's unread
+        queue entries: places them again on the live instances."""
+        queued = list(instance.queue)
+        instance.queue.clear()
+        placed: list[Request] = []
+        for outcome in self.core.replace_unstarted(instance.instance_id, queued, self.now_s):
+            if isinstance(outcome, Placed):
+                placed.append(outcome.request)
+            elif isinstance(outcome, Held):
+                self._held.append(outcome.request)
+            else:
+                self.result.rejected[outcome.request.id] = getattr(outcome, "reason", "not placed")
+        queue_s = self.config.queue_delay_ms / 1000
+        for request in placed:
+            self._push(self.now_s + queue_s, _ENQUEUE, request)
 
     def _on_dispatch_done(self, written: tuple[list[Request], list[Infeasible]]) -> None:
         placed, infeasible = written
         for outcome in infeasible:
-            self.result.finals[outcome.request.id] = infeasible_final(outcome, self.now_s)
+            self._answer(infeasible_final(outcome, self.now_s))
         queue_s = self.config.queue_delay_ms / 1000
         for request in placed:
             self._push(self.now_s + queue_s, _ENQUEUE, request)
@@ -152,7 +197,8 @@ class ClusterSimulation:
         for beat in self._pending_beats:
             self.core.apply_heartbeat(beat, now_s)
         self._pending_beats.clear()
-        self.core.refresh_health(now_s)
+        for instance_id in self.core.refresh_health(now_s):
+            self._replace_queue(self.instances[instance_id])
         batch = self._held
         for _ in range(min(self.config.dispatch_batch_size, len(self._ready))):
             batch.append(self._ready.popleft())
@@ -191,7 +237,7 @@ class ClusterSimulation:
 
     def _take(self, instance: SimulatedInstance) -> None:
         for final in instance.take_from_queue(self.now_s):
-            self.result.finals[final.request_id] = final
+            self._answer(final)
         if not instance.stepping:
             self._start_step(instance)
 
@@ -204,9 +250,11 @@ class ClusterSimulation:
     def _on_step_end(self, instance_id: str) -> None:
         instance = self.instances[instance_id]
         for final in instance.finish_step(self.now_s):
-            self.result.finals[final.request_id] = final
+            self._answer(final)
         self._start_step(instance)
         self._schedule_intake(instance)
+        if instance.state == "draining" and instance.is_idle:
+            self._stop(instance)
 
     def _schedule_intake(self, instance: SimulatedInstance) -> None:
         if instance.instance_id in self._intake_scheduled:
@@ -216,15 +264,36 @@ class ClusterSimulation:
             self._intake_scheduled.add(instance.instance_id)
             self._push(check_s, _INTAKE, instance.instance_id)
 
+    def drain(self, instance: SimulatedInstance) -> None:
+        """Stop the instance's intake (as SIGTERM does a worker's): what it runs finishes,
+        its beats say ``draining``, then ``stopped`` once it is idle."""
+        if instance.state != "live":
+            return
+        instance.state = "draining"
+        if instance.is_idle:
+            self._stop(instance)
+
+    def _stop(self, instance: SimulatedInstance) -> None:
+        """The drained instance is done: its next beat says ``stopped`` and is its last."""
+        instance.state = "stopped"
+        self._on_stopped(instance)
+
+    def _on_stopped(self, instance: SimulatedInstance) -> None:
+        """An instance stopped (a subclass accounts for it)."""
+
     def _on_beat(self, instance_id: str) -> None:
         instance = self.instances[instance_id]
+        if instance.sent_last_beat:
+            return
+        instance.sent_last_beat = instance.state == "stopped"
         beat = instance.heartbeat()
         num_blocks = instance.engine.config.num_gpu_blocks
         at_s = (self.now_s - self.config.warmup_s) / self.config.time_scale  # model time, as a replay samples
         self.result.kv_samples.append(KvSample(at_s, instance_id,
                                                beat.num_used_blocks / num_blocks))
         self._push(self.now_s + self.config.heartbeat_delay_ms / 1000, _BEAT_ARRIVES, beat)
-        self._push(self.now_s + self.config.heartbeat_ms / 1000, _BEAT, instance_id)
+        if not instance.sent_last_beat:
+            self._push(self.now_s + self.config.heartbeat_ms / 1000, _BEAT, instance_id)
 
     def _counters(self) -> dict[str, int]:
         stats = self.core.stats

@@ -54,6 +54,8 @@ class SimulatedInstance:
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     stepping: bool = False                 # a step is under way (its end is scheduled)
     intake_blocked_since_s: float | None = None  # the intake sleeps (no room) since then
+    state: str = "live"                    # what its beats say: live, draining (no intake), stopped
+    sent_last_beat: bool = False           # its ``stopped`` beat went out: it beats no more
     counters: InstanceCounters = field(default_factory=InstanceCounters)
     beats: HeartbeatBuilder = field(init=False)
     max_in_flight: int = field(init=False)
@@ -78,6 +80,8 @@ class SimulatedInstance:
         to ``room()`` queued requests to the engine. Returns the final records of requests
         the engine refused (answered at once, as live)."""
         refused: list[FinalRecord] = []
+        if self.state != "live":  # a draining worker reads nothing new
+            return refused
         num_queued = len(self.queue)
         while (room := self.room()) > 0 and self.queue:
             for _ in range(min(room, len(self.queue))):
@@ -108,7 +112,7 @@ class SimulatedInstance:
     def next_intake_check_s(self, now_s: float) -> float | None:
         """When the sleeping intake next looks and finds room, or None: it is not
         sleeping, or it would find no room yet."""
-        if self.intake_blocked_since_s is None or self.room() <= 0:
+        if self.intake_blocked_since_s is None or self.state != "live" or self.room() <= 0:
             return None
         period_s = self.worker_options.idle_poll_ms / 1000 / 4
         elapsed_s = now_s - self.intake_blocked_since_s
@@ -148,4 +152,9 @@ class SimulatedInstance:
 
     def heartbeat(self) -> Heartbeat:
         self.counters.num_beats += 1
-        return self.beats.build("live", ())
+        return self.beats.build(self.state, ())
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing in the engine and no step under way (queued requests aside)."""
+        return not self.stepping and not self.in_flight and not self.engine.has_unfinished_requests()

@@ -1,0 +1,26 @@
+"""Pre-scaling: a pure scaling policy (forecast, simulated futures, rules) that the
+dispatcher service and the simulation both run; actuators carry its decisions out."""
+
+from dispatcher.autoscale.forecast import ArrivalHistory, RateForecast
+from dispatcher.autoscale.futures import (
+    DRAINING,
+    LIVE,
+    STARTING,
+    FleetForecast,
+    FleetSnapshot,
+    InstanceState,
+    drain_order,
+    forecast_fleet,
+)
+from dispatcher.autoscale.rules import ActionHistory, ScalingRules, apply_rules, count_reversals
+from dispatcher.autoscale.scalers import (
+    Autoscaler,
+    PredictiveScaler,
+    ReactiveScaler,
+    ScalingDecision,
+    StaticScaler,
+)
+
+__all__ = ["DRAINING", "LIVE", "STARTING", "ActionHistory", "ArrivalHistory", "Autoscaler", "FleetForecast",
+           "FleetSnapshot", "InstanceState", "PredictiveScaler", "RateForecast", "ReactiveScaler", "ScalingDecision",
+           "ScalingRules", "StaticScaler", "apply_rules", "count_reversals", "drain_order", "forecast_fleet"]

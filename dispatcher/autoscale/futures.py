@@ -1,0 +1,180 @@
+"""What a fleet of a given size would do over the next decision cycles (pure).
+
+The fleet is what the dispatcher's replicas say it is now: each live instance's scheduler
+replica (the engine model's compiled twin, advanced to now), plus instances still
+starting. For a candidate size the fleet is changed as the actuators would change it:
+
+* grown: new, empty instances that take requests only once started
+  (``now + startup_s``; instances already starting keep their own ready time);
+* shrunk: instances still starting are cancelled first, then the live ones whose work
+  finishes soonest drain (:func:`drain_order`): they take nothing new, and their
+  unstarted requests are placed again on the survivors, now — so the survivors are
+  judged with the load they would absorb.
+
+Forecast arrivals (times and sizes) are then placed one by one, in time order, on the
+instance that is least loaded at that moment (Llumnix's virtual usage: KV blocks used plus
+the blocks the waiting prompts need), every instance stepped by the engine model up to
+each arrival, and every instance run on until their first tokens. The predicted TTFT of
+each forecast request is its first token's time less its arrival; one still without a
+first token at the end counts as a miss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from blockq.engine_model import EngineConfig, StepLatencyModel
+from blockq.engine_model import packed_layout as layout
+from blockq.engine_model.packed import PackedScheduler
+
+STARTING, LIVE, DRAINING = "starting", "live", "draining"
+
+
+@dataclass(frozen=True)
+class InstanceState:
+    """One instance as a scaler sees it. ``scheduler``: a live or draining instance's
+    replica at now (model time; never changed here). ``ready_at_s``: when a starting one
+    is expected to take requests. ``kv_usage`` / ``num_waiting``: from its last beat (the
+    reactive scaler's signals)."""
+
+    instance_id: str
+    status: str
+    scheduler: PackedScheduler | None = None
+    ready_at_s: float = 0.0
+    kv_usage: float = 0.0
+    num_waiting: int = 0
+    num_running: int = 0
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """The fleet at ``now_s``; ``config`` / ``latency_model``: what a new instance runs
+    (None until an instance was seen); ``num_unplaced``: requests the dispatcher holds
+    (the backlog not yet on any instance)."""
+
+    now_s: float
+    instances: tuple[InstanceState, ...]
+    config: EngineConfig | None = None
+    latency_model: StepLatencyModel | None = None
+    num_unplaced: int = 0
+
+    def with_status(self, status: str) -> list[InstanceState]:
+        return [instance for instance in self.instances if instance.status == status]
+
+    @property
+    def num_provisioned(self) -> int:
+        """Instances that are or will be serving: live and starting (draining ones leave)."""
+        return sum(1 for instance in self.instances if instance.status in (LIVE, STARTING))
+
+
+@dataclass(frozen=True)
+class FleetForecast:
+    """The predicted TTFTs (s) of the forecast requests on a fleet of ``size``."""
+
+    size: int
+    ttft_s: np.ndarray
+
+    @property
+    def p99_ttft_s(self) -> float:
+        return p99(self.ttft_s)
+
+    def attainment(self, slo_s: float) -> float:
+        return float(np.mean(self.ttft_s <= slo_s)) if len(self.ttft_s) else 1.0
+
+
+def p99(values: np.ndarray) -> float:
+    """The 99th percentile, inf when it falls on a miss (no interpolation with inf)."""
+    return float(np.percentile(values, 99, method="higher")) if len(values) else 0.0
+
+
+def work_finishes_at_s(scheduler: PackedScheduler) -> float:
+    """When everything on ``scheduler`` would be finished, nothing new arriving."""
+    future = scheduler.clone()
+    future.simulate()
+    return future.now_s
+
+
+def drain_order(snapshot: FleetSnapshot) -> list[str]:
+    """Instance ids in the order they should leave: starting ones first (newest first:
+    they serve nothing yet), then live ones whose work finishes soonest."""
+    starting = sorted(snapshot.with_status(STARTING), key=lambda i: (-i.ready_at_s, i.instance_id))
+    live = sorted(snapshot.with_status(LIVE),
+                  key=lambda i: (work_finishes_at_s(i.scheduler) if i.scheduler else 0.0, i.instance_id))
+    return [instance.instance_id for instance in [*starting, *live]]
+
+
+def _unstarted_rows(scheduler: PackedScheduler) -> list[tuple[int, int]]:
+    """(prompt, output target) of the waiting rows nothing was computed or generated for."""
+    sizes = []
+    for row in scheduler.waiting_rows():
+        values = scheduler.requests[row]
+        if values[layout.COMPUTED] == 0 and values[layout.GENERATED] == 0:
+            sizes.append((int(values[layout.PROMPT]), int(values[layout.TARGET])))
+    return sizes
+
+
+def _load(scheduler: PackedScheduler) -> float:
+    """Virtual KV usage: blocks in use plus the blocks the waiting prompts need, over all."""
+    counters, config = scheduler.counters, scheduler.config
+    waiting = scheduler.waiting_rows()
+    waiting_tokens = int(scheduler.requests[waiting, layout.PROMPT].sum()) if waiting else 0
+    used = config.num_gpu_blocks - int(counters[layout.NUM_FREE_BLOCKS])
+    return (used + math.ceil(waiting_tokens / config.block_size)) / config.num_gpu_blocks
+
+
+def forecast_fleet(snapshot: FleetSnapshot, size: int, arrivals: Sequence[tuple[float, int, int]], *,
+                   startup_s: float, run_on_s: float) -> FleetForecast:
+    """Predicted TTFTs of ``arrivals`` ((time s, prompt tokens, output tokens), in time
+    order) on the fleet resized to ``size`` (see the module docstring). ``run_on_s``: how
+    long past the last arrival the instances run on for first tokens."""
+    if snapshot.config is None or snapshot.latency_model is None:
+        raise ValueError("forecast_fleet: no instance seen yet (no engine config to model one with)")
+    now_s = snapshot.now_s
+    leaving = set(drain_order(snapshot)[:max(0, snapshot.num_provisioned - size)])
+    members: list[PackedScheduler] = []
+    moved: list[tuple[int, int]] = []
+    for instance in snapshot.instances:
+        if instance.status == DRAINING or instance.instance_id in leaving:
+            if instance.status == LIVE and instance.scheduler is not None:
+                moved.extend(_unstarted_rows(instance.scheduler))
+            continue
+        if instance.status == LIVE and instance.scheduler is not None:
+            members.append(instance.scheduler.clone())
+        else:  # starting
+            members.append(PackedScheduler(snapshot.config, snapshot.latency_model, max(now_s, instance.ready_at_s)))
+    for _ in range(size - len(members)):
+        members.append(PackedScheduler(snapshot.config, snapshot.latency_model, now_s + startup_s))
+    if not members:
+        return FleetForecast(size, np.full(len(arrivals), np.inf))
+    forecast_rows: list[tuple[PackedScheduler, int, float]] = []
+    for prompt_tokens, output_tokens in moved:
+        _place(members, now_s, prompt_tokens, output_tokens)  # existing requests: not counted
+    for at_s, prompt_tokens, output_tokens in arrivals:
+        scheduler, row = _place(members, at_s, prompt_tokens, output_tokens)
+        forecast_rows.append((scheduler, row, at_s))
+    end_s = (arrivals[-1][0] if arrivals else now_s) + run_on_s
+    for scheduler in members:
+        scheduler.simulate(until_s=end_s)
+    ttft_s = np.array([scheduler.times[row, layout.FIRST_TOKEN] - at_s for scheduler, row, at_s in forecast_rows])
+    return FleetForecast(size, np.where(np.isnan(ttft_s), np.inf, ttft_s))
+
+
+def _place(members: list[PackedScheduler], at_s: float, prompt_tokens: int,
+           output_tokens: int) -> tuple[PackedScheduler, int]:
+    best: PackedScheduler | None = None
+    best_load = math.inf
+    for scheduler in members:
+        if scheduler.now_s > at_s:  # still starting
+            continue
+        scheduler.simulate(until_s=at_s)
+        load = _load(scheduler)
+        if load < best_load:
+            best, best_load = scheduler, load
+    if best is None:  # nothing up yet: the earliest to start takes it when it starts
+        best = min(members, key=lambda s: s.now_s)
+    prompt_tokens = min(prompt_tokens, best.config.max_model_len - 1)
+    return best, best.add_request("forecast", prompt_tokens, max(1, output_tokens), arrival_s=at_s)

@@ -1,0 +1,252 @@
+"""Scalers (what size the fleet should be) and the autoscaler that runs one behind the
+rules every decision cycle (pure: time is passed in, nothing here does I/O).
+
+* :class:`PredictiveScaler` — from the arrival forecast and the replicas' simulated
+  futures (:func:`~dispatcher.autoscale.futures.forecast_fleet`): the smallest fleet
+  whose predicted P99 TTFT stays under ``headroom × SLO``. A fleet's P99 TTFT is a cliff
+  in the rate (well under the SLO until the instances saturate, then unbounded), so the
+  headroom that matters is on the rate: every forecast rate is raised by ``rate_margin``.
+  Growing is judged on the requests that arrive once new instances could be up
+  (``startup_s`` from now) and for two cycles after, at the forecast's upper rate; shrinking on the requests of the whole
+  reversal hold (at least two cycles) at the higher of the forecast's upper rate over that
+  time and the recent peak, with the drained instances' unstarted requests on the
+  survivors — the fleet may not grow again for the reversal hold, so a smaller fleet must
+  carry, for that long, what the last minutes showed it can be asked.
+* :class:`ReactiveScaler` — Kubernetes HPA's rule over the engines' own signals: desired
+  = ceil(live × max(mean KV usage / target, mean waiting / target)), no change within a
+  10 % tolerance, and a scale-down takes the highest desire of the last
+  ``stabilization_s`` (HPA's scale-down stabilisation window).
+* :class:`StaticScaler` — a fixed size.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from blockq.protocol import Request
+from dispatcher.autoscale.forecast import ArrivalHistory
+from dispatcher.autoscale.futures import LIVE, FleetSnapshot, forecast_fleet, p99
+from dispatcher.autoscale.rules import (
+    DOWN,
+    UP,
+    ActionHistory,
+    ScalingRules,
+    apply_rules,
+    blocked_by,
+)
+from dispatcher.replica import belief_of, prompt_tokens_of
+
+
+@dataclass(frozen=True)
+class Want:
+    """A scaler's wish: a fleet size, why, and the figures it rests on."""
+
+    size: int
+    reason: str
+    forecast: dict[str, Any] = field(default_factory=dict)
+
+
+class Scaler(Protocol):
+    name: str
+
+    def observe(self, at_s: float, prompt_tokens: int, output_tokens: int) -> None: ...
+
+    def want(self, snapshot: FleetSnapshot, allowed: frozenset[str], rules: ScalingRules) -> Want: ...
+
+
+@dataclass(frozen=True)
+class ScalingDecision:
+    """One cycle's decision: ``current`` provisioned, the scaler wanted ``desired``, the
+    rules let it set ``target`` (``reason`` says why)."""
+
+    at_s: float
+    scaler: str
+    current: int
+    desired: int
+    target: int
+    reason: str
+    forecast: dict[str, Any]
+
+    @property
+    def direction(self) -> str | None:
+        return UP if self.target > self.current else DOWN if self.target < self.current else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"at_s": round(self.at_s, 3), "scaler": self.scaler, "current": self.current,
+                "desired": self.desired, "target": self.target, "reason": self.reason, "forecast": self.forecast}
+
+
+class StaticScaler:
+    name = "static"
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def observe(self, at_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        """A static fleet ignores arrivals."""
+
+    def want(self, snapshot: FleetSnapshot, allowed: frozenset[str], rules: ScalingRules) -> Want:
+        return Want(self.size, "static")
+
+
+class ReactiveScaler:
+    """See the module docstring."""
+
+    name = "reactive"
+
+    def __init__(self, *, target_kv_usage: float = 0.7, target_waiting: float = 1.0, tolerance: float = 0.1,
+                 stabilization_s: float = 300.0) -> None:
+        self.target_kv_usage = target_kv_usage
+        self.target_waiting = target_waiting
+        self.tolerance = tolerance
+        self.stabilization_s = stabilization_s
+        self._desires: deque[tuple[float, int]] = deque()
+        self._started_at_s: float | None = None
+
+    def observe(self, at_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        """The reactive rule reads the engines, not the arrivals."""
+
+    def want(self, snapshot: FleetSnapshot, allowed: frozenset[str], rules: ScalingRules) -> Want:
+        live = snapshot.with_status(LIVE)
+        current = snapshot.num_provisioned
+        if not live:
+            return Want(current, "no live instance to measure")
+        kv = float(np.mean([i.kv_usage for i in live]))
+        waiting = float(np.mean([i.num_waiting for i in live])) + snapshot.num_unplaced / len(live)
+        ratio = max(kv / self.target_kv_usage, waiting / self.target_waiting)
+        desired = current if abs(ratio - 1) <= self.tolerance else math.ceil(len(live) * ratio)
+        now_s = snapshot.now_s
+        if self._started_at_s is None:
+            self._started_at_s = now_s
+        self._desires.append((now_s, desired))
+        while self._desires[0][0] < now_s - self.stabilization_s:
+            self._desires.popleft()
+        if desired < current:  # HPA: the highest desire of the stabilisation window, once it is full
+            full = now_s - self._started_at_s >= self.stabilization_s
+            desired = min(current, max(d for _, d in self._desires)) if full else current
+        return Want(desired, f"kv {kv:.2f}, waiting {waiting:.2f}/instance: ratio {ratio:.2f}",
+                    {"kv_usage": round(kv, 3), "waiting_per_instance": round(waiting, 3), "ratio": round(ratio, 3)})
+
+
+class PredictiveScaler:
+    """See the module docstring. ``seed`` makes the forecast arrivals reproducible."""
+
+    name = "predictive"
+
+    def __init__(self, history: ArrivalHistory, *, slo_ttft_s: float = 3.0, headroom: float = 0.5,
+                 rate_margin: float = 0.1, cycle_s: float = 60.0, startup_s: float = 90.0, seed: int = 0) -> None:
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom: must be in (0, 1] (got {headroom})")
+        if not 0 <= rate_margin <= 1:
+            raise ValueError(f"rate_margin: must be in [0, 1] (got {rate_margin})")
+        self.history = history
+        self.rate_margin = rate_margin
+        self.slo_ttft_s = slo_ttft_s
+        self.headroom = headroom
+        self.cycle_s = cycle_s
+        self.startup_s = startup_s
+        self.seed = seed
+
+    def observe(self, at_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        self.history.observe(at_s, prompt_tokens, output_tokens)
+
+    def want(self, snapshot: FleetSnapshot, allowed: frozenset[str], rules: ScalingRules) -> Want:
+        current = snapshot.num_provisioned
+        if snapshot.config is None or self.history.started_at_s is None:
+            return Want(current, "no instance or no arrival seen yet")
+        now_s, horizon_s = snapshot.now_s, 2 * self.cycle_s
+        rate = self.history.forecast(now_s, self.startup_s + horizon_s)
+        target_s = self.headroom * self.slo_ttft_s
+        figures: dict[str, Any] = {**rate.as_dict(), "target_p99_s": target_s}
+        grow_rate = rate.upper_per_s * (1 + self.rate_margin)
+        grow = self._arrivals(now_s, self.startup_s, horizon_s, grow_rate, snapshot.num_unplaced)
+        p99_now = self._p99(snapshot, current, grow)
+        figures[f"p99_s@{current}"] = round(p99_now, 3)
+        if p99_now > target_s:
+            if UP not in allowed:
+                return Want(current + 1, f"predicted P99 TTFT {p99_now:.2f} s > {target_s:.2f} s", figures)
+            for size in range(current + 1, min(rules.max_instances, current + 2 * rules.max_step(current)) + 1):
+                p99 = figures[f"p99_s@{size}"] = round(self._p99(snapshot, size, grow), 3)
+                if p99 <= target_s:
+                    return Want(size, f"predicted P99 TTFT {p99_now:.2f} s > {target_s:.2f} s at {current}; "
+                                      f"{p99:.2f} s at {size}", figures)
+            return Want(min(rules.max_instances, current + 2 * rules.max_step(current)),
+                        f"predicted P99 TTFT {p99_now:.2f} s > {target_s:.2f} s even at the largest step", figures)
+        if DOWN not in allowed or current <= rules.min_instances:
+            return Want(current, f"predicted P99 TTFT {p99_now:.2f} s within {target_s:.2f} s", figures)
+        # A smaller fleet must hold until the fleet may grow again (the reversal hold).
+        hold_s = max(horizon_s, rules.reversal_hold_s)
+        down_rate = max(self.history.forecast(now_s, hold_s).upper_per_s, rate.recent_peak_per_s) * (1 + self.rate_margin)
+        shrink = self._arrivals(now_s, 0.0, hold_s, down_rate, snapshot.num_unplaced)
+        chosen = current
+        for size in range(current - 1, max(rules.min_instances, current - rules.max_step(current)) - 1, -1):
+            p99 = figures[f"p99_s@{size}_down"] = round(self._p99(snapshot, size, shrink), 3)
+            if p99 > target_s:
+                break
+            chosen = size
+        reason = (f"{chosen} predicted to hold {down_rate:.2f} req/s" if chosen < current
+                  else f"predicted P99 TTFT {p99_now:.2f} s; a smaller fleet would not hold {down_rate:.2f} req/s")
+        return Want(chosen, reason, figures)
+
+    def _arrivals(self, now_s: float, delay_s: float, horizon_s: float, rate_per_s: float,
+                  num_unplaced: int) -> tuple[list[tuple[float, int, int]], int]:
+        """Forecast arrivals from now to ``delay_s + horizon_s`` at ``rate_per_s`` (the
+        backlog arrives now), and the index of the first one that is judged (at or after
+        ``delay_s``)."""
+        rng = random.Random(f"{self.seed}-{now_s:.3f}-{rate_per_s:.6f}")
+        times: list[float] = [now_s] * num_unplaced
+        at_s = now_s
+        while rate_per_s > 0:
+            at_s += rng.expovariate(rate_per_s)
+            if at_s > now_s + delay_s + horizon_s:
+                break
+            times.append(at_s)
+        sizes = self.history.sample_sizes(len(times), rng)
+        first_judged = next((k for k, t in enumerate(times) if t >= now_s + delay_s), len(times))
+        return [(t, p, o) for t, (p, o) in zip(times, sizes, strict=True)], first_judged
+
+    def _p99(self, snapshot: FleetSnapshot, size: int, arrivals: tuple[list[tuple[float, int, int]], int]) -> float:
+        requests, first_judged = arrivals
+        if not requests:
+            return 0.0
+        forecast = forecast_fleet(snapshot, size, requests, startup_s=self.startup_s, run_on_s=2 * self.slo_ttft_s)
+        return p99(forecast.ttft_s[first_judged:])
+
+
+class Autoscaler:
+    """One scaler behind :class:`ScalingRules`, deciding every ``cycle_s``."""
+
+    def __init__(self, scaler: Scaler, rules: ScalingRules, *, cycle_s: float = 60.0) -> None:
+        self.scaler = scaler
+        self.rules = rules
+        self.cycle_s = cycle_s
+        self.actions = ActionHistory()
+        self.decisions: list[ScalingDecision] = []
+        self._next_at_s: float | None = None
+
+    def observe(self, request: Request, now_s: float) -> None:
+        """A request reached the dispatcher at ``now_s``: its size as the replicas model it."""
+        self.scaler.observe(now_s, prompt_tokens_of(request), belief_of(request).remaining_target(0, "median"))
+
+    def due(self, now_s: float) -> bool:
+        return self._next_at_s is None or now_s >= self._next_at_s
+
+    def decide(self, snapshot: FleetSnapshot) -> ScalingDecision:
+        """This cycle's decision; an action it takes is recorded (the caller carries it out)."""
+        now_s, current = snapshot.now_s, snapshot.num_provisioned
+        self._next_at_s = now_s + self.cycle_s
+        allowed = frozenset(d for d in (UP, DOWN) if blocked_by(self.rules, self.actions, d, now_s) is None)
+        want = self.scaler.want(snapshot, allowed, self.rules)
+        target, rule = apply_rules(self.rules, self.actions, current, want.size, now_s)
+        decision = ScalingDecision(now_s, self.scaler.name, current, want.size, target,
+                                   f"{want.reason}; {rule}", want.forecast)
+        if decision.direction is not None:
+            self.actions.record(decision.direction, now_s)
+        self.decisions.append(decision)
+        return decision
