@@ -10,13 +10,17 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blockq.cluster_config import ClusterConfig
-from blockq.config import ConfigError
+from blockq.config import AUTOSCALERS, AutoscaleOptions, ConfigError, Settings, add_scaling_options
 from blockq.service import add_common_arguments, settings_from_args
 from blockq.state import ClusterState
+
+if TYPE_CHECKING:  # the supervisor is imported only by the command that runs one
+    from blockq.supervisor import WorkerScaling
 
 
 def print_json(data: Any) -> None:
@@ -30,6 +34,12 @@ VLLM_UP_OPTIONS = (
     ("--gpu-memory-utilization", float, "fraction of GPU (CPU: node) memory each vLLM instance may use"),
     ("--max-model-len", int, "vLLM max_model_len"),
     ("--max-num-seqs", int, "vLLM max_num_seqs"),
+)
+
+# `blockq up`'s autoscaling options: each sets the AutoscaleOptions field of its name.
+AUTOSCALE_UP_OPTIONS = (
+    ("--scale-command", str, "shell command run by the dispatcher when the target changes, {n} = the size"),
+    ("--metrics-port", int, "the dispatcher serves Prometheus metrics on this port (127.0.0.1)"),
 )
 
 
@@ -58,6 +68,12 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-maxmemory", default=None,
                    help="memory limit of the embedded Redis, e.g. 1gb (default), 512mb; writes fail when full")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--autoscale", choices=AUTOSCALERS, default=None,
+                   help="the dispatcher sizes the fleet with this scaler and the supervisor follows it "
+                        "(one instance per worker process; --instances, default --min-instances, to start)")
+    add_scaling_options(p, dest_prefix="autoscale_", with_defaults=False)
+    for option, kind, text in AUTOSCALE_UP_OPTIONS:
+        p.add_argument(option, dest="autoscale_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
     p.add_argument("--detach", action="store_true", help="return once the cluster is ready")
     p.add_argument("--ready-timeout-s", type=float, default=120.0)
     p.add_argument("--json", action="store_true", help="print the ready report as JSON")
@@ -66,13 +82,44 @@ def add_up(sub: argparse._SubParsersAction) -> None:
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     base = ClusterConfig.from_toml(args.config) if args.config else ClusterConfig()
+    autoscale = _autoscale_options(args, base.autoscale)
+    instances = args.instances
+    if autoscale is not None and instances is None and "instances" not in (
+            ClusterConfig.toml_section(args.config) if args.config else {}):
+        instances = autoscale.min_instances  # the fleet starts small and grows on demand
     return base.with_overrides(
-        instances=args.instances, instances_per_process=args.instances_per_process, policy=args.policy,
+        instances=instances, autoscale=autoscale, instances_per_process=args.instances_per_process, policy=args.policy,
         objective=args.objective, preset=args.preset, time_scale=args.time_scale,
         predictor_backend=args.predictor_backend, predictor_model=args.predictor_model,
         gateway=args.gateway, gateway_port=args.gateway_port, batch_worker=args.batch_worker, seed=args.seed,
         redis_maxmemory=args.redis_maxmemory, engine=args.engine, model=args.model,
         **{name: value for name, value in vars(args).items() if name.startswith("vllm_")})
+
+
+def _autoscale_options(args: argparse.Namespace, base: AutoscaleOptions | None) -> AutoscaleOptions | None:
+    """The TOML's ``[cluster.autoscale]`` overridden by flags; None when neither turns it on
+    (a bound or timing flag alone is refused: it would be silently ignored)."""
+    given = {name[len("autoscale_"):]: value for name, value in vars(args).items()
+             if name.startswith("autoscale_") and value is not None}
+    if args.autoscale is not None:
+        given["scaler"] = args.autoscale
+    elif base is None:
+        if given:
+            raise ConfigError(f"{next(iter(given))}: needs --autoscale (or a [cluster.autoscale] table)")
+        return None
+    return replace(base or AutoscaleOptions(), **given)
+
+
+def _scaling(config: ClusterConfig, settings: Settings) -> WorkerScaling | None:
+    """What the supervisor follows under autoscale (None without it)."""
+    from blockq.supervisor import ChildSpec, WorkerScaling
+
+    if config.autoscale is None:
+        return None
+    return WorkerScaling(worker_spec=lambda index: ChildSpec(*config.worker_child(index, index, 1)),
+                         instance_id=config.instance_id, initial=config.instances,
+                         min_instances=config.autoscale.min_instances, max_instances=config.autoscale.max_instances,
+                         desired_key=settings.keys.autoscaler_desired, drain_key=settings.keys.autoscaler_drain)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -89,10 +136,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     from blockq.logs import configure_logging
 
     configure_logging(settings.log_level, "supervisor")
-    specs = [ChildSpec(name, argv) for name, argv in config.child_argvs()]
+    scaling = _scaling(config, settings)
+    specs = [ChildSpec(name, argv) for name, argv in config.child_argvs(workers=scaling is None)]
     gateway_url = f"http://{config.gateway_host}:{config.gateway_port}" if config.gateway else None
     return Supervisor(settings.state_dir, specs, redis_url=settings.redis_url, num_instances=config.instances,
-                      gateway_url=gateway_url, redis_maxmemory=config.redis_maxmemory).run()
+                      gateway_url=gateway_url, redis_maxmemory=config.redis_maxmemory, scaling=scaling).run()
 
 
 def _argv_without_secrets(argv: list[str]) -> list[str]:

@@ -20,6 +20,17 @@ one instance per worker process; ``vllm_block_size``, ``vllm_kv_cache_bytes``,
 through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or compilation,
 for a fast start-up),
 and ``preset``, ``time_scale`` and ``noise`` (the emulated engine's) are not used.
+
+With a ``[cluster.autoscale]`` table (or ``blockq up --autoscale``) the dispatcher leader
+sizes the fleet (:class:`blockq.config.AutoscaleOptions`: ``scaler``, ``min_instances``,
+``max_instances``, ``startup_s``, ``cycle_s``, ``cooldown_s``, ...) and the supervisor
+follows it: every instance is then its own worker process, and ``instances`` (default
+``min_instances``) is the size the fleet starts at::
+
+    [cluster.autoscale]
+    scaler = "predictive"
+    min_instances = 1
+    max_instances = 8
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from blockq.config import ConfigError
+from blockq.config import AutoscaleOptions, ConfigError
 from blockq.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
 
 ENGINES = ("emulated", "vllm")
@@ -63,6 +74,7 @@ class ClusterConfig:
     vllm_max_model_len: int | None = None
     vllm_max_num_seqs: int | None = None
     vllm_enforce_eager: bool = False
+    autoscale: AutoscaleOptions | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.instances <= 1024:
@@ -77,6 +89,10 @@ class ClusterConfig:
             raise ConfigError(f"gateway_port: must be a TCP port (got {self.gateway_port})")
         check_maxmemory(self.redis_maxmemory)
         self._check_engine()
+        bounds = self.autoscale
+        if bounds is not None and not bounds.min_instances <= self.instances <= bounds.max_instances:
+            raise ConfigError(f"instances: must be between min_instances ({bounds.min_instances}) and "
+                              f"max_instances ({bounds.max_instances}) under autoscale (got {self.instances})")
 
     def _check_engine(self) -> None:
         if self.engine not in ENGINES:
@@ -96,8 +112,9 @@ class ClusterConfig:
     def instances_per_worker_process(self) -> int:
         """Instances each worker process serves: ``instances_per_process``, but one with
         vLLM, whose engine owns its own engine-core process and GPU memory (one engine
-        per process keeps a crash or an out-of-memory error to one instance)."""
-        return 1 if self.engine == "vllm" else self.instances_per_process
+        per process keeps a crash or an out-of-memory error to one instance), and one
+        under autoscale (the supervisor starts and drains instances one by one)."""
+        return 1 if self.engine == "vllm" or self.autoscale is not None else self.instances_per_process
 
     @property
     def num_worker_processes(self) -> int:
@@ -109,6 +126,19 @@ class ClusterConfig:
 
     @classmethod
     def from_toml(cls, path: Path) -> ClusterConfig:
+        section = dict(cls.toml_section(path))
+        if "autoscale" in section:
+            table = section["autoscale"]
+            known = {f.name for f in fields(AutoscaleOptions)}
+            unknown = sorted(set(table) - known) if isinstance(table, dict) else ["(not a table)"]
+            if unknown:
+                raise ConfigError(f"config: unknown keys in [cluster.autoscale]: {', '.join(unknown)}")
+            section["autoscale"] = AutoscaleOptions(**table)
+        return cls(**section)
+
+    @classmethod
+    def toml_section(cls, path: Path) -> dict[str, Any]:
+        """The ``[cluster]`` table of ``path`` as written (unknown keys refused)."""
         try:
             data = tomllib.loads(path.read_text())
         except FileNotFoundError:
@@ -116,14 +146,14 @@ class ClusterConfig:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config: {path}: {exc}") from None
         section = data.get("cluster", {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
+        unknown = sorted(set(section) - {f.name for f in fields(cls)})
         if unknown:
             raise ConfigError(f"config: unknown keys in [cluster]: {', '.join(unknown)}")
-        return cls(**section)
+        return section
 
-    def child_argvs(self) -> list[tuple[str, tuple[str, ...]]]:
-        """(name, python -m argv) of every service to start."""
+    def child_argvs(self, *, workers: bool = True) -> list[tuple[str, tuple[str, ...]]]:
+        """(name, python -m argv) of every service to start (``workers`` False: all but the
+        workers, which the supervisor starts itself under autoscale: :meth:`worker_child`)."""
         children: list[tuple[str, tuple[str, ...]]] = []
         predictor = ["predictor_service", "--backend", self.predictor_backend]
         if self.predictor_model:
@@ -132,14 +162,11 @@ class ClusterConfig:
         dispatcher = ["dispatcher", "--policy", self.policy, "--seed", str(self.seed)]
         if self.objective:
             dispatcher += ["--objective", self.objective]
-        children.append(("dispatcher", tuple(dispatcher)))
+        children.append(("dispatcher", (*dispatcher, *self._autoscale_argv())))
         per_process = self.instances_per_worker_process
-        for process_index in range(self.num_worker_processes):
+        for process_index in range(self.num_worker_processes if workers else 0):
             first = process_index * per_process
-            count = min(per_process, self.instances - first)
-            children.append((f"workers-{process_index}", (
-                "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
-                "--first-index", str(first), *self._engine_argv(), "--seed", str(self.seed))))
+            children.append(self.worker_child(process_index, first, min(per_process, self.instances - first)))
         if self.gateway:
             gateway = ["blockq.gateway", "--host", self.gateway_host, "--port", str(self.gateway_port)]
             if self.gateway_allow_unauthenticated:
@@ -148,6 +175,34 @@ class ClusterConfig:
         if self.batch_worker:
             children.append(("batch-worker", ("blockq.batch", "worker")))
         return children
+
+    def worker_child(self, process_index: int, first_index: int, count: int) -> tuple[str, tuple[str, ...]]:
+        """(name, argv) of the worker process ``workers-{process_index}`` serving
+        instances ``first_index`` .. ``first_index + count - 1``."""
+        return (f"workers-{process_index}", (
+            "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
+            "--first-index", str(first_index), *self._engine_argv(), "--seed", str(self.seed)))
+
+    def instance_id(self, index: int) -> str:
+        """The id of instance ``index`` (as ``python -m workers --instances`` names it)."""
+        return f"{self.instance_prefix}-{index}"
+
+    def _autoscale_argv(self) -> list[str]:
+        """The dispatcher options that turn autoscaling on (none without it)."""
+        options = self.autoscale
+        if options is None:
+            return []
+        argv = ["--autoscale", options.scaler, "--min-instances", str(options.min_instances),
+                "--max-instances", str(options.max_instances), "--startup-s", str(options.startup_s),
+                "--cycle-s", str(options.cycle_s), "--cooldown-s", str(options.cooldown_s),
+                "--reversal-hold-s", str(options.reversal_hold_s),
+                "--max-step-fraction", str(options.max_step_fraction),
+                "--scale-command-timeout-s", str(options.scale_command_timeout_s)]
+        if options.scale_command:
+            argv.append(f"--scale-command={options.scale_command}")  # one argument, even if it starts with -
+        if options.metrics_port is not None:
+            argv += ["--metrics-port", str(options.metrics_port), "--metrics-host", options.metrics_host]
+        return argv
 
     def _engine_argv(self) -> list[str]:
         """The worker options that choose and configure its engine."""

@@ -28,6 +28,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from blockq.keys import DEFAULT_PREFIX, Keys
@@ -130,3 +131,79 @@ class Settings:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+AUTOSCALERS = ("predictive", "reactive")
+
+# The autoscaler's bounds, step and timings as command-line options, one list for every
+# command that takes them (the dispatcher, `blockq up`, `blockq simulate autoscale`): each
+# sets the AutoscaleOptions (ScalingRules) field of its name.
+SCALING_OPTIONS: tuple[tuple[str, type, str], ...] = (
+    ("--min-instances", int, "fleet lower bound"),
+    ("--max-instances", int, "fleet upper bound"),
+    ("--startup-s", float, "seconds a new instance takes to serve after it is asked for"),
+    ("--cycle-s", float, "seconds between decisions"),
+    ("--cooldown-s", float, "seconds between two actions in the same direction"),
+    ("--reversal-hold-s", float, "seconds before an action in the other direction (>= --cooldown-s)"),
+    ("--max-step-fraction", float, "most of the fleet one action adds or removes (at least one instance)"),
+)
+
+
+def add_scaling_options(group: Any, *, dest_prefix: str = "", with_defaults: bool = True) -> None:
+    """Add :data:`SCALING_OPTIONS` to an argparse group: with :class:`AutoscaleOptions`'
+    defaults, or None (to tell an option given from one left out)."""
+    defaults = AutoscaleOptions()
+    for option, kind, text in SCALING_OPTIONS:
+        name = option[2:].replace("-", "_")
+        default = getattr(defaults, name) if with_defaults else None
+        group.add_argument(option, dest=dest_prefix + name, type=kind, default=default,
+                           help=f"{text} (default {getattr(defaults, name):g})")
+
+
+@dataclass(frozen=True)
+class AutoscaleOptions:
+    """How the dispatcher leader sizes the fleet (``--autoscale``); every ``*_s`` is wall
+    seconds. The bounds, step and cooldowns are :class:`dispatcher.autoscale.ScalingRules`'
+    (checked here the same way, so that ``blockq up`` needs no dispatcher import to
+    validate them); ``startup_s``: how long a new instance takes to serve, ``cycle_s``:
+    between decisions. ``scale_command``: a shell command run when the target changes,
+    ``{n}`` replaced by the target size. ``metrics_port``: serve Prometheus metrics there
+    (None: none)."""
+
+    scaler: str = "predictive"
+    min_instances: int = 1
+    max_instances: int = 16
+    max_step_fraction: float = 0.2
+    cooldown_s: float = 300.0
+    reversal_hold_s: float = 600.0
+    startup_s: float = 90.0
+    cycle_s: float = 60.0
+    scale_command: str | None = None
+    scale_command_timeout_s: float = 60.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.scaler not in AUTOSCALERS:
+            raise ConfigError(f"autoscale: must be one of {', '.join(AUTOSCALERS)} (got {self.scaler!r})")
+        # At least one instance: both scalers read a live one (its engine, its load).
+        if isinstance(self.min_instances, bool) or not isinstance(self.min_instances, int) or self.min_instances < 1:
+            raise ConfigError(f"min_instances: must be an integer >= 1 (got {self.min_instances!r})")
+        if not isinstance(self.max_instances, int) or not self.min_instances <= self.max_instances <= 1024:
+            raise ConfigError(f"max_instances: must be between min_instances and 1024 (got {self.max_instances!r})")
+        if not 0 < self.max_step_fraction <= 1:
+            raise ConfigError(f"max_step_fraction: must be in (0, 1] (got {self.max_step_fraction})")
+        if self.cooldown_s < 0:
+            raise ConfigError(f"cooldown_s: must be >= 0 (got {self.cooldown_s})")
+        if self.reversal_hold_s < self.cooldown_s:
+            raise ConfigError(f"reversal_hold_s: must be >= cooldown_s (got {self.reversal_hold_s})")
+        if self.startup_s < 0:
+            raise ConfigError(f"startup_s: must be >= 0 (got {self.startup_s})")
+        if self.cycle_s <= 0:
+            raise ConfigError(f"cycle_s: must be > 0 (got {self.cycle_s})")
+        if self.scale_command is not None and not self.scale_command.strip():
+            raise ConfigError("scale_command: must not be empty")
+        if self.scale_command_timeout_s <= 0:
+            raise ConfigError(f"scale_command_timeout_s: must be > 0 (got {self.scale_command_timeout_s})")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: must be a TCP port (got {self.metrics_port})")

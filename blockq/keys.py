@@ -19,6 +19,8 @@ GROUP_FEEDBACK = "feedback"
 
 # The one field of every stream entry that carries a message: its msgpack bytes.
 PAYLOAD_FIELD = "m"
+# The field of an ``autoscaler:decisions`` entry: the decision as JSON (for people and tools).
+DECISION_FIELD = "decision"
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,23 @@ class Keys:
     def dispatcher_lease(self) -> str:
         """String key holding the active dispatcher's id (leader lease)."""
         return f"{self.prefix}dispatcher:leader"
+
+    @property
+    def autoscaler_desired(self) -> str:
+        """String: the fleet size the dispatcher leader's autoscaler wants (an integer);
+        the local supervisor follows it, and seeds it with its initial size."""
+        return f"{self.prefix}autoscaler:desired"
+
+    @property
+    def autoscaler_drain(self) -> str:
+        """String: JSON list of the instance ids to drain first when the fleet shrinks
+        (empty unless the latest decision shrank it)."""
+        return f"{self.prefix}autoscaler:drain"
+
+    @property
+    def autoscaler_decisions(self) -> str:
+        """Stream of every autoscaling decision (JSON, capped ``MAXLEN ~``)."""
+        return f"{self.prefix}autoscaler:decisions"
 
     def instance_queue(self, instance_id: str) -> str:
         """The queue stream of one engine instance."""

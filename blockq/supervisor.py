@@ -16,19 +16,32 @@ Files the cluster writes (state file, logs, the Redis AOF) are created with umas
 The supervisor is the only process that owns the children; ``blockq down`` asks it to
 stop (SIGTERM) and it stops workers first (they drain), then the other services, then
 the embedded Redis.
+
+Under autoscale (:class:`WorkerScaling`) it is also the local actuator of the dispatcher
+leader's decisions: about once a second it reads ``autoscaler:desired`` and grows the
+fleet with new one-instance worker processes (the lowest indexes no worker holds, so a
+draining worker's index is never reused while it runs) or shrinks it by SIGTERM (the
+worker drains: it takes nothing new, finishes what it runs; the dispatcher re-places its
+unread queue), the instances named in ``autoscaler:drain`` first, then the newest. A
+retired worker is not restarted when it exits, and is forgotten then; a worker that
+crashes is restarted as ever.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import redis
 import structlog
 
 from blockq.embedded_redis import DEFAULT_MAXMEMORY, EmbeddedRedis, start_embedded_redis
@@ -61,6 +74,23 @@ class ChildSpec:
     stop_timeout_s: float = 30.0
 
 
+@dataclass(frozen=True)
+class WorkerScaling:
+    """What the supervisor needs to follow the autoscaler: the worker child serving
+    instance ``index`` and that instance's id, the fleet to start with, the bounds a
+    desired size is held to, the keys it reads (``desired_key``: an integer,
+    ``drain_key``: JSON list of instance ids) and how often (seconds)."""
+
+    worker_spec: Callable[[int], ChildSpec]
+    instance_id: Callable[[int], str]
+    initial: int
+    min_instances: int
+    max_instances: int
+    desired_key: str
+    drain_key: str
+    poll_s: float = 1.0
+
+
 @dataclass
 class Child:
     spec: ChildSpec
@@ -69,6 +99,8 @@ class Child:
     next_start_at_s: float = 0.0
     started_at_s: float = 0.0
     log_file: IO[bytes] | None = field(default=None, repr=False)
+    index: int | None = None    # the instance index of a worker the autoscaler sizes
+    retired: bool = False       # drained on a scale-down: not restarted, forgotten on exit
 
 
 class Supervisor:
@@ -76,7 +108,9 @@ class Supervisor:
 
     def __init__(self, state_dir: Path, specs: list[ChildSpec], *, redis_url: str | None,
                  num_instances: int, gateway_url: str | None = None,
-                 redis_maxmemory: str = DEFAULT_MAXMEMORY) -> None:
+                 redis_maxmemory: str = DEFAULT_MAXMEMORY, scaling: WorkerScaling | None = None) -> None:
+        """``scaling``: the workers are sized by the autoscaler (``specs`` then holds the
+        other services; the supervisor starts ``scaling.initial`` workers itself)."""
         self.state_dir = state_dir
         self.redis_maxmemory = redis_maxmemory
         self._redis_next_start_at_s = 0.0
@@ -86,6 +120,12 @@ class Supervisor:
         self.gateway_url = gateway_url
         self.embedded: EmbeddedRedis | None = None
         self._stopping = False
+        self.scaling = scaling
+        self._redis: redis.Redis | None = None
+        self._scaling_seeded = False
+        self._next_poll_at_s = 0.0
+        if scaling is not None:
+            self.children += [Child(scaling.worker_spec(index), index=index) for index in range(scaling.initial)]
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._request_stop)
@@ -100,6 +140,8 @@ class Supervisor:
                              embedded_redis=self.embedded is not None, gateway_url=self.gateway_url,
                              num_instances=self.num_instances, started_at_s=time.time())
         try:
+            if self.scaling is not None:
+                self._seed_scaling(self.scaling)  # before the dispatcher starts: it reads the size there
             for child in self.children:
                 self._start(child)
             self._update_state(state, force=True)
@@ -107,9 +149,13 @@ class Supervisor:
                 # Redis first: services restarted before it is back would only die again.
                 self._keep_redis_running()
                 self._restart_dead_children()
+                if self.scaling is not None:
+                    self._follow_scaling(self.scaling)
                 self._update_state(state)
                 time.sleep(0.2)
         finally:
+            if self._redis is not None:
+                self._redis.close()
             self._stop_children()
             if self.embedded is not None:
                 self.embedded.stop()
@@ -123,12 +169,21 @@ class Supervisor:
     def _child_pids(self) -> dict[str, int]:
         return {c.spec.name: c.process.pid for c in self.children if c.process is not None}
 
+    def _num_workers(self) -> int:
+        """Workers serving or starting (retired ones, still draining, not counted)."""
+        if self.scaling is None:
+            return self.num_instances
+        return sum(1 for c in self.children if c.index is not None and not c.retired)
+
     def _update_state(self, state: ClusterState, *, force: bool = False) -> None:
-        """Rewrite the state file when a pid changed (a restart), with who each pid is."""
+        """Rewrite the state file when a pid changed (a restart, a worker added or gone),
+        with who each pid is."""
         redis_pid = self.embedded.pid if self.embedded else None
-        if not force and state.children == self._child_pids() and state.redis_pid == redis_pid:
+        if (not force and state.children == self._child_pids() and state.redis_pid == redis_pid
+                and state.num_instances == self._num_workers()):
             return
         state.children = self._child_pids()
+        state.num_instances = self._num_workers()
         state.redis_pid = redis_pid
         state.record_identities()
         state.write(self.state_dir)
@@ -165,10 +220,12 @@ class Supervisor:
 
     def _restart_dead_children(self) -> None:
         now_s = time.monotonic()
-        for child in self.children:
+        for child in list(self.children):
             if child.process is None or child.process.poll() is None:
                 continue
-            if child.next_start_at_s == 0.0:
+            if child.retired:
+                self._forget(child)
+            elif child.next_start_at_s == 0.0:
                 child.num_restarts, backoff_s = next_restart(child.num_restarts, now_s - child.started_at_s)
                 child.next_start_at_s = now_s + backoff_s
                 log.error("child_died", child=child.spec.name, returncode=child.process.returncode,
@@ -176,6 +233,82 @@ class Supervisor:
             elif now_s >= child.next_start_at_s:
                 child.next_start_at_s = 0.0
                 self._start(child)
+
+    # --- following the autoscaler --------------------------------------------------------
+
+    def _client(self) -> redis.Redis:
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(self.redis_url or "", socket_timeout=2.0, socket_connect_timeout=2.0)
+        return self._redis
+
+    def _seed_scaling(self, scaling: WorkerScaling) -> None:
+        """The fleet starts at ``initial``: say so (what an earlier run left in a Redis that
+        kept its data is not this fleet's size); retried by the loop until it worked."""
+        try:
+            pipe = self._client().pipeline(transaction=True)
+            pipe.set(scaling.desired_key, scaling.initial)
+            pipe.delete(scaling.drain_key)
+            pipe.execute()
+            self._scaling_seeded = True
+        except (redis.RedisError, OSError) as exc:
+            log.warning("scaling_seed_failed", error=str(exc))
+
+    def _follow_scaling(self, scaling: WorkerScaling) -> None:
+        """Once per ``poll_s``: bring the number of workers to the desired size."""
+        now_s = time.monotonic()
+        if now_s < self._next_poll_at_s:
+            return
+        self._next_poll_at_s = now_s + scaling.poll_s
+        if not self._scaling_seeded:
+            self._seed_scaling(scaling)
+            return
+        try:
+            raw_desired, raw_drain = self._client().mget(scaling.desired_key, scaling.drain_key)
+        except (redis.RedisError, OSError) as exc:  # Redis restarting: the next poll retries
+            log.warning("scaling_poll_failed", error=str(exc))
+            return
+        try:
+            desired = int(raw_desired) if raw_desired is not None else None
+            drain = [str(i) for i in json.loads(raw_drain)] if raw_drain else []
+        except (ValueError, TypeError) as exc:
+            log.warning("scaling_keys_unreadable", error=str(exc))
+            return
+        if desired is not None:
+            self._resize(scaling, min(scaling.max_instances, max(scaling.min_instances, desired)), drain)
+
+    def _resize(self, scaling: WorkerScaling, desired: int, drain: list[str]) -> None:
+        active = [c for c in self.children if c.index is not None and not c.retired]
+        if desired > len(active):
+            held = {c.index for c in self.children if c.index is not None}  # draining ones too
+            free = (index for index in itertools.count() if index not in held)
+            for index in [next(free) for _ in range(desired - len(active))]:
+                child = Child(scaling.worker_spec(index), index=index)
+                self.children.append(child)
+                self._start(child)
+                log.info("worker_added", child=child.spec.name, instance=scaling.instance_id(index), desired=desired)
+        elif desired < len(active):
+            by_id = {scaling.instance_id(c.index): c for c in active if c.index is not None}
+            named = [by_id[i] for i in dict.fromkeys(drain) if i in by_id]
+            newest = [c for c in reversed(active) if c not in named]  # children are kept in creation order
+            for child in [*named, *newest][:len(active) - desired]:
+                self._retire(child, desired)
+
+    def _retire(self, child: Child, desired: int) -> None:
+        """SIGTERM ``child`` (it drains) and never restart it; one not running (waiting
+        for a restart) is forgotten at once."""
+        child.retired = True
+        if child.process is not None and child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+            log.info("worker_draining", child=child.spec.name, pid=child.process.pid, desired=desired)
+        else:
+            self._forget(child)
+
+    def _forget(self, child: Child) -> None:
+        self.children.remove(child)
+        if child.log_file is not None:
+            child.log_file.close()
+        returncode = child.process.returncode if child.process is not None else None
+        log.info("worker_retired", child=child.spec.name, returncode=returncode)
 
     def _stop_children(self) -> None:
         # Front doors and workers first (workers drain), the pipeline's middle last.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from blockq.config import AUTOSCALERS, AutoscaleOptions, add_scaling_options
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import connect_async, default_consumer_name
 from dispatcher.forecast import DEFAULT_OBJECTIVE, OBJECTIVES
@@ -25,18 +26,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=128, help="max ready entries per read")
     parser.add_argument("--dead-after-s", type=float, default=5.0,
                         help="seconds without a heartbeat before an instance is dead and its queue re-placed")
+    add_autoscale_arguments(parser)
+
+
+def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
+    """The leader's autoscaling options (:class:`blockq.config.AutoscaleOptions`)."""
+    group = parser.add_argument_group("autoscaling (off unless --autoscale)")
+    defaults = AutoscaleOptions()
+    group.add_argument("--autoscale", choices=AUTOSCALERS, default=None,
+                       help="size the fleet with this scaler; decisions go to Redis (autoscaler:desired, "
+                            "autoscaler:drain, autoscaler:decisions) for the actuators")
+    add_scaling_options(group)
+    group.add_argument("--scale-command", default=None,
+                       help="shell command run in the background when the target changes, {n} = the target "
+                            "size, e.g. 'kubectl scale statefulset/blockq-worker --replicas={n}'")
+    group.add_argument("--scale-command-timeout-s", type=float, default=defaults.scale_command_timeout_s,
+                       help="seconds before a scale command is killed")
+    group.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics (blockq_autoscaler_*) on this port")
+    group.add_argument("--metrics-host", default=defaults.metrics_host,
+                       help="address the metrics server binds (0.0.0.0 in a pod)")
+
+
+def autoscale_options(args: argparse.Namespace) -> AutoscaleOptions | None:
+    """The validated options (ConfigError naming the field), None without --autoscale."""
+    if args.autoscale is None:
+        return None
+    return AutoscaleOptions(
+        scaler=args.autoscale, min_instances=args.min_instances, max_instances=args.max_instances,
+        max_step_fraction=args.max_step_fraction, cooldown_s=args.cooldown_s, reversal_hold_s=args.reversal_hold_s,
+        startup_s=args.startup_s, cycle_s=args.cycle_s, scale_command=args.scale_command,
+        scale_command_timeout_s=args.scale_command_timeout_s, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host)
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    autoscale = autoscale_options(args)  # validated before anything starts
 
     async def main(stop: asyncio.Event) -> None:
         client = connect_async(settings.redis_url)
         dispatcher = create_dispatcher(
             client, settings, args.policy, seed=args.seed, objective=args.objective,
             dispatcher_id=args.consumer_name or default_consumer_name("dispatch"),
-            options=DispatcherOptions(batch_size=args.batch_size, dead_after_s=args.dead_after_s))
-        prepare_for_decisions(dispatcher.core)
+            options=DispatcherOptions(batch_size=args.batch_size, dead_after_s=args.dead_after_s),
+            autoscale=autoscale)
+        prepare_for_decisions(dispatcher.core, autoscales=autoscale is not None)
         try:
             await dispatcher.run(stop)
         finally:

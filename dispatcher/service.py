@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from blockq.config import Settings
+from blockq.config import AutoscaleOptions, Settings
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
 from blockq.health import HealthPolicy
 from blockq.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
@@ -58,10 +58,12 @@ from blockq.protocol import (
 )
 from blockq.streams import GroupConsumer, StreamEntry
 from dispatcher.admission import Infeasible, infeasible_final
+from dispatcher.autoscaling_service import AutoscalingService, create_autoscaling
 from dispatcher.cluster_view import ClusterView
 from dispatcher.core import DispatcherCore, Held, Placed
 from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
+from dispatcher.queue_reads import read_queue
 
 log = structlog.get_logger(__name__)
 
@@ -108,6 +110,7 @@ class Dispatcher:
         self._queues_to_redispatch: set[str] = set()
         self._last_num_placed = 0
         self.num_placed = 0
+        self.autoscaling: AutoscalingService | None = None  # set by create_dispatcher with autoscale
 
     def _new_consumer(self) -> GroupConsumer:
         # A new consumer reads this name's pending entries first: what a predecessor (or
@@ -178,6 +181,8 @@ class Dispatcher:
             while await self.acquire_lease(stop):
                 await self.lead(stop)
         finally:
+            if self.autoscaling is not None:
+                await self.autoscaling.close()
             with contextlib.suppress(*REDIS_UNAVAILABLE):
                 await self.release_lease()
 
@@ -203,15 +208,18 @@ class Dispatcher:
                 await asyncio.sleep(self.options.lease_ms / 3000)
 
     async def step(self) -> int:
-        """One round: follow beats, re-place the queues of dead or stopped instances, place
-        a batch. Returns the number of requests placed. Raises :class:`LeaseLost` when a
-        write found the term over (nothing of it was written)."""
+        """One round: follow beats, re-place the queues of dead or stopped instances (the
+        unread part of draining ones'), place a batch, size the fleet when due (autoscale).
+        Returns the number of requests placed. Raises :class:`LeaseLost` when a write
+        found the term over (nothing of it was written)."""
         await self.follow_heartbeats()
         self._queues_to_redispatch.update(self.core.refresh_health(self.clock()))
         for instance_id in sorted(self._queues_to_redispatch):
             view = self.view.instances.get(instance_id)
-            if (view is None or view.health not in ("dead", "stopped")
-                    or await self.redispatch_queue(instance_id) is not None):
+            health = view.health if view is not None else None
+            # Draining: only what its worker has not read moves; what it took finishes there.
+            if (health not in ("dead", "stopped", "draining")
+                    or await self.redispatch_queue(instance_id, unread_only=health == "draining") is not None):
                 self._queues_to_redispatch.discard(instance_id)
         entries: list[StreamEntry] = []
         if len(self.unplaced) < self.options.max_unplaced:
@@ -221,7 +229,10 @@ class Dispatcher:
             entries = await self.consumer.read(self.options.batch_size, block_ms, held_ids=self._unplaced_ids)
         elif not self.view.live_instances():
             await asyncio.sleep(self.options.block_ms / 1000)
-        return await self.place_batch(entries)
+        num_placed = await self.place_batch(entries)
+        if self.autoscaling is not None:
+            await self.autoscaling.step(self.clock(), len(self.unplaced))
+        return num_placed
 
     async def follow_heartbeats(self) -> None:
         """Apply every heartbeat published since the last call (non-blocking).
@@ -270,6 +281,7 @@ class Dispatcher:
         """Place retried and new requests in order; all writes in one fenced transaction
         (:meth:`Lease.write_fenced`). Held requests stay in memory, pending in ``ready``."""
         dead: list[tuple[StreamEntry, str]] = []
+        num_offered_again = len(self.unplaced)
         for entry in entries:
             if entry.entry_id in self._unplaced_ids:
                 continue
@@ -285,6 +297,8 @@ class Dispatcher:
         placed: list[tuple[StreamEntry, Request]] = []
         refused: list[tuple[StreamEntry, Infeasible]] = []
         now_s = self.clock()
+        if self.autoscaling is not None:  # the arrivals it forecasts from: new requests only
+            self.autoscaling.observe([request for _, request in queued[num_offered_again:]], now_s)
         for (entry, _), outcome in zip(queued, self.core.place([r for _, r in queued], now_s), strict=True):
             if isinstance(outcome, Held):
                 self.unplaced.append((entry, outcome.request))
@@ -327,19 +341,20 @@ class Dispatcher:
         pipe.xadd(request.reply_stream, {PAYLOAD_FIELD: encode(Placement.of(request))})
         pipe.expire(request.reply_stream, self.settings.reply_ttl_s)
 
-    async def redispatch_queue(self, instance_id: str) -> int | None:
+    async def redispatch_queue(self, instance_id: str, *, unread_only: bool = False) -> int | None:
         """Move every entry left in a dead or stopped instance's queue, unread or taken
         (pending), to live instances, moving each request's owner in the same transaction:
         an executor of the old instance that still runs is refused its writes, so moving
         what it had taken cannot answer a request twice. Held requests (batch work, no
         idle capacity) go back to ``ready``; rejected ones stay. The moved entries are
         also ACKed in the old queue's ``work`` group, so a worker that comes back under
-        that id does not resume them. Returns how many were placed, or None when no
-        instance is live (the caller retries later)."""
+        that id does not resume them. ``unread_only`` (a draining instance): only what its
+        worker has not read (:func:`read_queue`). Returns how many were placed, or None
+        when no instance is live (the caller retries later)."""
         queue = self.keys.instance_queue(instance_id)
         if not self.view.live_instances():
             return None
-        entries = await self.client.xrange(queue, count=100_000)
+        entries = await read_queue(self.client, queue, unread_only=unread_only)
         decoded: list[tuple[bytes, Request]] = []
         for entry_id, fields in entries:
             try:
@@ -354,7 +369,7 @@ class Dispatcher:
                     if isinstance(o, Held)]
         if moved or returned:
             await self.lease.write_fenced(lambda pipe: self._queue_moves(pipe, queue, moved, returned))
-        log.warning("instance_queue_replaced", instance=instance_id,
+        log.warning("instance_queue_replaced", instance=instance_id, unread_only=unread_only,
                     moved=len(moved), returned_to_ready=len(returned))
         return len(moved)
 
@@ -369,13 +384,14 @@ class Dispatcher:
         pipe.xdel(queue, *entry_ids)
 
 
-def prepare_for_decisions(core: DispatcherCore) -> None:
+def prepare_for_decisions(core: DispatcherCore, *, autoscales: bool = False) -> None:
     """Start-up work that would otherwise land inside early or random decisions: load
-    the compiled simulation code (policies that simulate), then take every object alive
-    so far out of the collector's view and collect the young generation less often.
+    the compiled simulation code (policies that simulate; the autoscaler's forecasts when
+    ``autoscales``), then take every object alive so far out of the collector's view and
+    collect the young generation less often.
     A full collection over the start-up heap took 50-70 ms in ``blockq dispatch-bench``,
     far more than a decision."""
-    if core.simulates:
+    if core.simulates or autoscales:
         warm_up_packed_kernel()
     gc.collect()
     gc.freeze()
@@ -384,11 +400,18 @@ def prepare_for_decisions(core: DispatcherCore) -> None:
 
 def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: str, *, dispatcher_id: str,
                       seed: int | None = None, objective: str = DEFAULT_OBJECTIVE,
-                      options: DispatcherOptions | None = None) -> Dispatcher:
-    """A dispatcher whose core runs the named policy, timing decisions on the wall clock."""
+                      options: DispatcherOptions | None = None,
+                      autoscale: AutoscaleOptions | None = None) -> Dispatcher:
+    """A dispatcher whose core runs the named policy, timing decisions on the wall clock;
+    with ``autoscale``, its leader also sizes the fleet (:mod:`dispatcher.autoscaling_service`)
+    against the cluster's TTFT objective (3 s when the cluster has none)."""
     options = options or DispatcherOptions()
     core = DispatcherCore(policy_name, seed=seed, objective=objective, timer=time.perf_counter,
                           slo_ttft_ms=settings.slo_ttft_ms or None,
                           health_policy=HealthPolicy(heartbeat_interval_s=settings.heartbeat_interval_ms / 1000,
                                                      dead_after_s=options.dead_after_s))
-    return Dispatcher(client, settings, core, dispatcher_id=dispatcher_id, options=options)
+    dispatcher = Dispatcher(client, settings, core, dispatcher_id=dispatcher_id, options=options)
+    if autoscale is not None:
+        dispatcher.autoscaling = create_autoscaling(client, settings.keys, core, dispatcher.lease, autoscale,
+                                                    slo_ttft_s=(settings.slo_ttft_ms or 3000) / 1000, seed=seed or 0)
+    return dispatcher

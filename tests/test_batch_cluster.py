@@ -155,14 +155,15 @@ def test_sigterm_hands_the_job_back_and_invalid_lines_are_reported(cluster: dict
 
 
 def test_cancel_stops_a_running_job(cluster: dict[str, Any], workers: list[Any], tmp_path: Path) -> None:
-    input_path = write_input(tmp_path / "in.jsonl", 300)
+    # 30 s of work at 50 lines/s: the cancel (a CLI process) lands mid-job on a busy host too.
+    input_path = write_input(tmp_path / "in.jsonl", 1500)
     start_worker(cluster, workers)
     job_id = submit(cluster, input_path, tmp_path / "out.jsonl", "--max-rate", "50")
     wait_until(lambda: status_of(cluster, job_id)["done"] >= 10, timeout_s=30)
     result = run_blockq("batch", "cancel", job_id, "--json", env=cluster["env"])
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["status"] == "canceled" and report["canceled"] and report["done"] < 300
+    assert report["status"] == "canceled" and report["canceled"] and report["done"] < 1500
     results = read_results(tmp_path / "out.jsonl")
     assert len(results) == report["done"]
     order = [int(r["custom_id"].split("-")[1]) for r in results]

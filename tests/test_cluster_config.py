@@ -111,3 +111,45 @@ def test_env_settings_are_validated() -> None:
         Settings.from_env({"BLOCKQ_REDIS_URL": "http://x"})
     with pytest.raises(ConfigError, match="BLOCKQ_MAX_BACKLOG: must be an integer"):
         Settings.from_env({"BLOCKQ_MAX_BACKLOG": "lots"})
+
+
+def test_autoscale_runs_one_instance_per_process_and_passes_the_rules_on(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[cluster]\ninstances = 2\ninstances_per_process = 6\n'
+                    '[cluster.autoscale]\nscaler = "reactive"\nmin_instances = 1\nmax_instances = 5\ncycle_s = 10\n')
+    config = ClusterConfig.from_toml(path)
+    assert config.autoscale is not None and config.autoscale.scaler == "reactive"
+    assert [argv[4:7] for argv in worker_argvs(config)] == [("1", "--first-index", "0"), ("1", "--first-index", "1")]
+    (dispatcher,) = [argv for name, argv in config.child_argvs() if name == "dispatcher"]
+    assert dispatcher[dispatcher.index("--autoscale") + 1] == "reactive"
+    assert dispatcher[dispatcher.index("--max-instances") + 1] == "5"
+    assert dispatcher[dispatcher.index("--cycle-s") + 1] == "10"
+    assert [name for name, _ in config.child_argvs(workers=False)] == ["predictor", "dispatcher"]
+    assert config.worker_child(7, 7, 1)[0] == "workers-7" and config.instance_id(7) == "inst-7"
+
+
+def test_up_autoscale_flags_start_at_the_minimum_and_name_bad_values(tmp_path: Path) -> None:
+    from blockq.cli import build_parser
+    from blockq.cli_up import _cluster_config
+
+    def config_of(*argv: str) -> ClusterConfig:
+        return _cluster_config(build_parser().parse_args(["up", *argv]))
+
+    config = config_of("--autoscale", "predictive", "--min-instances", "2", "--max-instances", "6",
+                       "--cooldown-s", "30", "--reversal-hold-s", "60", "--scale-command", "-x {n}")
+    assert config.instances == 2 and config.autoscale is not None
+    assert (config.autoscale.cooldown_s, config.autoscale.scale_command) == (30.0, "-x {n}")
+    (dispatcher,) = [argv for name, argv in config.child_argvs() if name == "dispatcher"]
+    assert "--scale-command=-x {n}" in dispatcher
+    assert config_of("--autoscale", "predictive", "--instances", "3").instances == 3
+    assert config_of().autoscale is None
+    with pytest.raises(ConfigError, match="min_instances: needs --autoscale"):
+        config_of("--min-instances", "2")
+    with pytest.raises(ConfigError, match="instances: must be between min_instances"):
+        config_of("--autoscale", "predictive", "--instances", "9", "--max-instances", "4")
+    with pytest.raises(ConfigError, match="reversal_hold_s"):
+        config_of("--autoscale", "reactive", "--cooldown-s", "700")
+    path = tmp_path / "c.toml"
+    path.write_text("[cluster.autoscale]\nmin_instance = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown keys in \[cluster.autoscale\]: min_instance"):
+        ClusterConfig.from_toml(path)

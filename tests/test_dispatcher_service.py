@@ -105,6 +105,48 @@ async def test_dead_instance_queue_is_replaced_without_loss_or_duplicates(settin
     await client.aclose()
 
 
+async def test_draining_instance_keeps_what_it_took_and_its_unread_queue_moves(settings: Settings,
+                                                                                 sync_redis: redis.Redis) -> None:
+    dispatcher = await make_dispatcher(settings)
+    publish_beat(sync_redis, settings, "a")
+    publish_beat(sync_redis, settings, "b")
+    queue_a = settings.keys.instance_queue("a")
+    await ensure_group(dispatcher.client, queue_a, GROUP_WORK)
+    requests = [make_request(keys=settings.keys) for _ in range(8)]
+    for request in requests:
+        sync_redis.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(request)})
+    while dispatcher.num_placed < 8:
+        await dispatcher.step()
+    on_a = queue_ids(sync_redis, settings, "a")
+    assert len(on_a) == 4
+    # The worker of "a" took two entries (pending in `work`), then drains on SIGTERM.
+    taken = sync_redis.xreadgroup(GROUP_WORK, "a", {queue_a: ">"}, count=2)
+    taken_ids = [decode_request(fields[PAYLOAD_FIELD.encode()]).id for _, fields in taken[0][1]]
+    assert taken_ids == on_a[:2]
+    publish_beat(sync_redis, settings, "a", seq=2, state="draining")
+    await dispatcher.step()
+    # What it took stays there, pending, its owner unchanged: it runs to the end on "a".
+    assert queue_ids(sync_redis, settings, "a") == taken_ids
+    assert sync_redis.xpending(queue_a, GROUP_WORK)["pending"] == 2
+    assert all(sync_redis.get(settings.keys.owner(i)) == b"a" for i in taken_ids)
+    # What it never read moved to "b", owner and all; nothing lost, nothing twice.
+    on_b = queue_ids(sync_redis, settings, "b")
+    assert sorted(on_b) == sorted(set(r.id for r in requests) - set(taken_ids))
+    assert all(sync_redis.get(settings.keys.owner(i)) == b"b" for i in on_a[2:])
+    # Reported once per drain: a later round moves nothing more, new work goes to "b" only.
+    sync_redis.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(make_request(keys=settings.keys))})
+    await dispatcher.step()
+    assert queue_ids(sync_redis, settings, "a") == taken_ids
+    assert len(queue_ids(sync_redis, settings, "b")) == 7
+    # Once it stopped, anything still left in its queue is placed again (the dead path).
+    publish_beat(sync_redis, settings, "a", seq=3, state="stopped")
+    await dispatcher.step()
+    assert queue_ids(sync_redis, settings, "a") == []
+    on_b = queue_ids(sync_redis, settings, "b")
+    assert len(on_b) == len(set(on_b)) == 9 and {r.id for r in requests} <= set(on_b)
+    await dispatcher.client.aclose()
+
+
 async def test_only_one_leader(settings: Settings) -> None:
     first = await make_dispatcher(settings)
     second = await make_dispatcher(settings)

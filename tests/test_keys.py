@@ -18,6 +18,9 @@ def test_default_prefix_key_names() -> None:
     assert keys.instance_queue("gpu-3") == "bq:inst:{gpu-3}"
     assert keys.reply("r1") == "bq:out:{r1}"
     assert keys.cancel_flag("r1") == "bq:cancelled:{r1}"
+    assert keys.autoscaler_desired == "bq:autoscaler:desired"
+    assert keys.autoscaler_drain == "bq:autoscaler:drain"
+    assert keys.autoscaler_decisions == "bq:autoscaler:decisions"
 
 
 def test_custom_prefix() -> None:

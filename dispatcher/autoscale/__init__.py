@@ -14,13 +14,16 @@ from dispatcher.autoscale.futures import (
 )
 from dispatcher.autoscale.rules import ActionHistory, ScalingRules, apply_rules, count_reversals
 from dispatcher.autoscale.scalers import (
+    SCALERS,
     Autoscaler,
     PredictiveScaler,
     ReactiveScaler,
+    ScalerTuning,
     ScalingDecision,
     StaticScaler,
+    make_autoscaler,
 )
 
-__all__ = ["DRAINING", "LIVE", "STARTING", "ActionHistory", "ArrivalHistory", "Autoscaler", "FleetForecast",
+__all__ = ["SCALERS", "ScalerTuning", "make_autoscaler", "DRAINING", "LIVE", "STARTING", "ActionHistory", "ArrivalHistory", "Autoscaler", "FleetForecast",
            "FleetSnapshot", "InstanceState", "PredictiveScaler", "RateForecast", "ReactiveScaler", "ScalingDecision",
            "ScalingRules", "StaticScaler", "apply_rules", "count_reversals", "drain_order", "forecast_fleet"]

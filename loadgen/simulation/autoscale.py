@@ -16,19 +16,17 @@ missed); the autoscalers start from ``--initial-instances`` (default: the minimu
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from dispatcher.autoscale import (
-    ArrivalHistory,
-    Autoscaler,
-    PredictiveScaler,
-    ReactiveScaler,
+    ScalerTuning,
     ScalingRules,
-    StaticScaler,
     count_reversals,
+    make_autoscaler,
 )
 from dispatcher.autoscale.futures import p99
 from loadgen.arrivals import parse_rate_profile, profile_arrivals
@@ -42,22 +40,19 @@ from loadgen.simulation.workload import (
     submitted,
 )
 
-SCALERS = ("static", "reactive", "predictive")
 REVERSAL_WINDOW_S = 600.0
 
 
 @dataclass(frozen=True)
 class AutoscaleSettings:
-    """What the autoscalers may do; see :class:`ScalingRules` and the scalers."""
+    """What the autoscalers may do (:class:`ScalingRules`), how they are tuned, and the
+    fleet they start from."""
 
     rules: ScalingRules
     initial_instances: int
     startup_s: float = 90.0
     cycle_s: float = 60.0
-    headroom: float = 0.5
-    rate_margin: float = 0.1
-    target_kv_usage: float = 0.7
-    target_waiting: float = 1.0
+    tuning: ScalerTuning = field(default_factory=ScalerTuning)
 
 
 @dataclass
@@ -82,37 +77,21 @@ def workload(args: argparse.Namespace, seed: int) -> tuple[AnnotatedSample, list
     return sample, arrivals_for(sample, rate_per_s=None, use_trace_times=True)
 
 
-def make_autoscaler(name: str, settings: AutoscaleSettings, seed: int, static_size: int | None,
-                    slo_ttft_s: float) -> Autoscaler:
-    rules = settings.rules
-    if name == "static":
-        if static_size is None:
-            raise ValueError("static: needs a size")
-        return Autoscaler(StaticScaler(static_size), replace(rules, min_instances=static_size,
-                                                              max_instances=static_size), cycle_s=settings.cycle_s)
-    if name == "reactive":
-        scaler: Any = ReactiveScaler(target_kv_usage=settings.target_kv_usage, target_waiting=settings.target_waiting)
-    elif name == "predictive":
-        scaler = PredictiveScaler(ArrivalHistory(), slo_ttft_s=slo_ttft_s, headroom=settings.headroom,
-                                  rate_margin=settings.rate_margin,
-                                  cycle_s=settings.cycle_s, startup_s=settings.startup_s, seed=seed)
-    else:
-        raise ValueError(f"scalers: unknown {name!r} (valid: {', '.join(SCALERS)})")
-    return Autoscaler(scaler, rules, cycle_s=settings.cycle_s)
-
-
 def run_scaler(config: SimulationConfig, sample: AnnotatedSample, schedule: list[tuple[float, int]], name: str,
                settings: AutoscaleSettings, *, static_size: int | None = None,
-               abort_after_misses: int | None = None) -> ScalerRun:
+               abort_after_misses: int | None = None,
+               on_progress: Callable[[int, int], None] | None = None) -> ScalerRun:
     """One scaler over the workload (``static_size``: the static fleet's size)."""
-    autoscaler = make_autoscaler(name, settings, sample.seed, static_size, config.slo_ttft_ms / 1000)
+    autoscaler = make_autoscaler(name, settings.rules, cycle_s=settings.cycle_s, startup_s=settings.startup_s,
+                                 slo_ttft_s=config.slo_ttft_ms / 1000, seed=sample.seed, static_size=static_size,
+                                 tuning=settings.tuning)
     initial = static_size if name == "static" else settings.initial_instances
     config = replace(config, instances=initial, best_effort=True)
     simulation = AutoscaledSimulation(config, autoscaler, startup_s=settings.startup_s)
     origin_s = config.warmup_s
     arrivals = [(offset_s, submitted(request, origin_s + offset_s, best_effort=True))
                 for offset_s, index in schedule if (request := sample.requests[index]) is not None]
-    result = simulation.run(arrivals, abort_after_misses=abort_after_misses)
+    result = simulation.run(arrivals, on_progress, abort_after_misses=abort_after_misses)
     ttft: list[tuple[float, float]] = []
     num_refused = len(sample.rejected) + len(result.rejected)
     for offset_s, index in schedule:
@@ -142,7 +121,9 @@ def run_scaler(config: SimulationConfig, sample: AnnotatedSample, schedule: list
 
 
 def find_static_size(config: SimulationConfig, sample: AnnotatedSample, schedule: list[tuple[float, int]],
-                     settings: AutoscaleSettings) -> tuple[int, ScalerRun]:
+                     settings: AutoscaleSettings,
+                     progress: Callable[[str], Callable[[int, int], None] | None] = lambda label: None,
+                     ) -> tuple[int, ScalerRun]:
     """The smallest fleet within the bounds whose P99 TTFT meets the SLO (the largest when
     none does), by bisection, and its run."""
     rules = settings.rules
@@ -151,7 +132,8 @@ def find_static_size(config: SimulationConfig, sample: AnnotatedSample, schedule
     max_misses = len(schedule) // 100
     while low <= high:
         size = (low + high) // 2
-        run = run_scaler(config, sample, schedule, "static", settings, static_size=size, abort_after_misses=max_misses)
+        run = run_scaler(config, sample, schedule, "static", settings, static_size=size, abort_after_misses=max_misses,
+                         on_progress=progress(f"static {size}"))
         if not run.aborted and run.summary["ttft_p99_ms"] is not None \
                 and run.summary["ttft_p99_ms"] <= config.slo_ttft_ms:
             best = (size, run)
@@ -160,5 +142,6 @@ def find_static_size(config: SimulationConfig, sample: AnnotatedSample, schedule
             low = size + 1
     if best is None:
         size = rules.max_instances
-        return size, run_scaler(config, sample, schedule, "static", settings, static_size=size)
+        return size, run_scaler(config, sample, schedule, "static", settings, static_size=size,
+                                on_progress=progress(f"static {size}"))
     return best

@@ -10,15 +10,16 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dispatcher.autoscale import ScalingRules
+from blockq.config import add_scaling_options
+from dispatcher.autoscale import SCALERS, ScalerTuning, ScalingRules
 from loadgen.plots import plot_fleet_timelines
 from loadgen.simulation.autoscale import (
-    SCALERS,
     AutoscaleSettings,
     ScalerRun,
     find_static_size,
@@ -26,6 +27,7 @@ from loadgen.simulation.autoscale import (
     workload,
 )
 from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.plan import Progress
 
 _MEAN_KEYS = ("gpu_hours", "slo_attainment", "ttft_p99_ms", "ttft_mean_ms", "num_scale_actions",
               "num_reversals_10min", "instances_peak")
@@ -34,29 +36,22 @@ _MEAN_KEYS = ("gpu_hours", "slo_attainment", "ttft_p99_ms", "ttft_mean_ms", "num
 def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("autoscale mode")
     group.add_argument("--scalers", default=",".join(SCALERS), help=f"comma-separated: {', '.join(SCALERS)}")
-    group.add_argument("--min-instances", type=int, default=1)
-    group.add_argument("--max-instances", type=int, default=16)
     group.add_argument("--initial-instances", type=int, default=None, help="the autoscalers' first fleet "
                        "(default: --min-instances)")
     group.add_argument("--static-instances", type=int, default=None,
                        help="the static fleet's size (default: the smallest meeting the SLO, searched)")
     group.add_argument("--rate-profile", default=None,
                        help="SECONDS:RATE,...: Poisson arrivals following these steps (instead of --trace-times)")
-    group.add_argument("--startup-s", type=float, default=AutoscaleSettings.startup_s,
-                       help="seconds from starting an instance until it takes requests")
-    group.add_argument("--cycle-s", type=float, default=AutoscaleSettings.cycle_s, help="decision period")
-    group.add_argument("--cooldown-s", type=float, default=ScalingRules.cooldown_s,
-                       help="least time between two actions in the same direction")
-    group.add_argument("--reversal-hold-s", type=float, default=ScalingRules.reversal_hold_s,
-                       help="least time before an action in the other direction")
-    group.add_argument("--max-step-fraction", type=float, default=ScalingRules.max_step_fraction)
-    group.add_argument("--headroom", type=float, default=AutoscaleSettings.headroom,
+    add_scaling_options(group)
+    group.add_argument("--headroom", type=float, default=ScalerTuning.headroom,
                        help="predictive: the predicted P99 TTFT must stay under headroom x SLO")
-    group.add_argument("--rate-margin", type=float, default=AutoscaleSettings.rate_margin,
-                       help="predictive: every forecast rate raised by this fraction")
-    group.add_argument("--target-kv-usage", type=float, default=AutoscaleSettings.target_kv_usage,
+    group.add_argument("--rate-margin", type=float, default=ScalerTuning.rate_margin,
+                       help="predictive: forecast rates raised by this fraction to grow")
+    group.add_argument("--shrink-margin", type=float, default=ScalerTuning.shrink_margin,
+                       help="predictive: forecast rates raised by this fraction to shrink")
+    group.add_argument("--target-kv-usage", type=float, default=ScalerTuning.target_kv_usage,
                        help="reactive: the mean KV usage it keeps")
-    group.add_argument("--target-waiting", type=float, default=AutoscaleSettings.target_waiting,
+    group.add_argument("--target-waiting", type=float, default=ScalerTuning.target_waiting,
                        help="reactive: the mean waiting requests per instance it keeps")
 
 
@@ -65,9 +60,9 @@ def _settings(args: argparse.Namespace) -> AutoscaleSettings:
                          max_step_fraction=args.max_step_fraction, cooldown_s=args.cooldown_s,
                          reversal_hold_s=args.reversal_hold_s)
     initial = args.initial_instances if args.initial_instances is not None else max(1, args.min_instances)
-    return AutoscaleSettings(rules, initial, startup_s=args.startup_s, cycle_s=args.cycle_s, headroom=args.headroom,
-                             rate_margin=args.rate_margin,
-                             target_kv_usage=args.target_kv_usage, target_waiting=args.target_waiting)
+    tuning = ScalerTuning(headroom=args.headroom, rate_margin=args.rate_margin, shrink_margin=args.shrink_margin,
+                          target_kv_usage=args.target_kv_usage, target_waiting=args.target_waiting)
+    return AutoscaleSettings(rules, initial, startup_s=args.startup_s, cycle_s=args.cycle_s, tuning=tuning)
 
 
 def _config(args: argparse.Namespace, seed: int) -> SimulationConfig:
@@ -91,13 +86,17 @@ def run_autoscale_command(args: argparse.Namespace) -> int:
         sample, schedule = workload(args, seed)
         config = _config(args, seed)
         static_size = args.static_instances
+        # Static's search runs a few sizes: the bar's total is a guess.
+        progress = Progress(len(schedule) * (len(names) + 3), not args.no_progress)
         for name in names:
-            sys.stderr.write(f"seed {seed}: {name} ({len(schedule):,} requests)\n")
             if name == "static" and static_size is None:
-                static_size, run = find_static_size(config, sample, schedule, settings)
+                static_size, run = find_static_size(config, sample, schedule, settings,
+                                                    _labelled(progress, seed))
             else:
-                run = run_scaler(config, sample, schedule, name, settings, static_size=static_size)
+                run = run_scaler(config, sample, schedule, name, settings, static_size=static_size,
+                                 on_progress=progress.callback(f"seed {seed}: {name}"))
             runs[name].append(run)
+        progress.close()
     summaries = [_summary(name, scaler_runs, runs.get("static")) for name, scaler_runs in runs.items()]
     out_dir: Path = args.out or Path("out") / "simulate-autoscale"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +111,10 @@ def run_autoscale_command(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(_table(summaries) + f"\nreport: {out_dir / 'autoscale.json'}, {plot}\n")
     return 0
+
+
+def _labelled(progress: Progress, seed: int) -> Callable[[str], Callable[[int, int], None]]:
+    return lambda label: progress.callback(f"seed {seed}: {label}")
 
 
 def _summary(name: str, scaler_runs: list[ScalerRun], static_runs: list[ScalerRun] | None) -> dict[str, Any]:
