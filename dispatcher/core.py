@@ -138,7 +138,7 @@ class DispatcherCore:
             states.append(InstanceState(
                 view.instance_id, view.health, replica.scheduler.rebased(now_s),
                 kv_usage=view.heartbeat.num_used_blocks / max(1, replica.config.num_gpu_blocks),
-                num_waiting=view.num_waiting + len(view.assigned_not_seen), num_running=view.num_running))
+                num_waiting=view.num_waiting + len(view.assigned_not_seen)))
         seen = {state.instance_id for state in states}
         states.extend(InstanceState(instance_id, STARTING, ready_at_s=ready_at_s)
                       for instance_id, ready_at_s in sorted(starting.items()) if instance_id not in seen)

@@ -47,7 +47,6 @@ class InstanceState:
     ready_at_s: float = 0.0
     kv_usage: float = 0.0
     num_waiting: int = 0
-    num_running: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,13 +76,6 @@ class FleetForecast:
 
     size: int
     ttft_s: np.ndarray
-
-    @property
-    def p99_ttft_s(self) -> float:
-        return p99(self.ttft_s)
-
-    def attainment(self, slo_s: float) -> float:
-        return float(np.mean(self.ttft_s <= slo_s)) if len(self.ttft_s) else 1.0
 
 
 def p99(values: np.ndarray) -> float:
