@@ -71,7 +71,7 @@ def make_live_autoscaler(options: AutoscaleOptions, *, slo_ttft_s: float, seed: 
     rules = ScalingRules(options.min_instances, options.max_instances, options.max_step_fraction,
                          options.cooldown_s, options.reversal_hold_s)
     return make_autoscaler(options.scaler, rules, cycle_s=options.cycle_s, startup_s=options.startup_s,
-                           slo_ttft_s=slo_ttft_s, seed=seed)
+                           slo_ttft_s=slo_ttft_s, seed=seed, max_decisions=NUM_DECISIONS_KEPT)
 
 
 def starting_instances(target: int | None, num_serving: int, num_joining: int, ready_at_s: float) -> dict[str, float]:
@@ -159,7 +159,6 @@ class AutoscalingService:
             log.exception("autoscale_decision_failed")
             self._not_before_s = now_s + self.options.cycle_s
             return None
-        del self.autoscaler.decisions[:-NUM_DECISIONS_KEPT]  # it keeps every one: bound it
         await self.lease.write_fenced(lambda pipe: self._queue_writes(pipe, decision.target, drain, record))
         log.info("autoscale_decision", **record)
         previous, self.target = self.target, decision.target

@@ -239,4 +239,3 @@ def test_a_load_step_grows_the_simulated_fleet_then_it_drains_back_losing_nothin
     assert run.summary["num_requests"] + run.summary["num_refused"] == len(schedule)
     assert run.summary["num_refused"] == 0
     assert all(np.isfinite(ttft) for _, ttft in run.ttft_by_arrival)  # every request answered
-    assert run.summary["num_reversals_10min"] == count_reversals(run.timeline.actions(), 600.0)

@@ -234,14 +234,16 @@ class PredictiveScaler:
 
 
 class Autoscaler:
-    """One scaler behind :class:`ScalingRules`, deciding every ``cycle_s``."""
+    """One scaler behind :class:`ScalingRules`, deciding every ``cycle_s``; it keeps its
+    latest ``max_decisions`` decisions (None: every one, as a simulation reports them)."""
 
-    def __init__(self, scaler: Scaler, rules: ScalingRules, *, cycle_s: float = 60.0) -> None:
+    def __init__(self, scaler: Scaler, rules: ScalingRules, *, cycle_s: float = 60.0,
+                 max_decisions: int | None = None) -> None:
         self.scaler = scaler
         self.rules = rules
         self.cycle_s = cycle_s
         self.actions = ActionHistory()
-        self.decisions: list[ScalingDecision] = []
+        self.decisions: deque[ScalingDecision] = deque(maxlen=max_decisions)
         self._next_at_s: float | None = None
 
     def observe(self, request: Request, now_s: float) -> None:
@@ -285,7 +287,7 @@ class ScalerTuning:
 
 def make_autoscaler(name: str, rules: ScalingRules, *, cycle_s: float = 60.0, startup_s: float = 90.0,
                     slo_ttft_s: float = 3.0, seed: int = 0, static_size: int | None = None,
-                    tuning: ScalerTuning | None = None) -> Autoscaler:
+                    tuning: ScalerTuning | None = None, max_decisions: int | None = None) -> Autoscaler:
     """The autoscaler the dispatcher leader and the simulation both run: scaler ``name``
     behind ``rules``, deciding every ``cycle_s``. The predictive scaler's history windows
     count in cycles (:meth:`ArrivalHistory.for_cycle`); the reactive scaler's scale-down
@@ -295,7 +297,8 @@ def make_autoscaler(name: str, rules: ScalingRules, *, cycle_s: float = 60.0, st
     if name == "static":
         if static_size is None:
             raise ValueError("static: needs a size")
-        return Autoscaler(StaticScaler(static_size), ScalingRules(static_size, static_size), cycle_s=cycle_s)
+        return Autoscaler(StaticScaler(static_size), ScalingRules(static_size, static_size), cycle_s=cycle_s,
+                          max_decisions=max_decisions)
     if name == "reactive":
         scaler: Scaler = ReactiveScaler(target_kv_usage=tuning.target_kv_usage, target_waiting=tuning.target_waiting,
                                         stabilization_s=rules.cooldown_s)
@@ -305,4 +308,4 @@ def make_autoscaler(name: str, rules: ScalingRules, *, cycle_s: float = 60.0, st
                                   cycle_s=cycle_s, startup_s=startup_s, seed=seed)
     else:
         raise ValueError(f"scaler: unknown {name!r} (valid: {', '.join(SCALERS)})")
-    return Autoscaler(scaler, rules, cycle_s=cycle_s)
+    return Autoscaler(scaler, rules, cycle_s=cycle_s, max_decisions=max_decisions)

@@ -32,7 +32,7 @@ class FleetTimeline:
 
     started_at_s: dict[str, float] = field(default_factory=dict)
     stopped_at_s: dict[str, float] = field(default_factory=dict)
-    decisions: list[ScalingDecision] = field(default_factory=list)
+    decisions: Sequence[ScalingDecision] = ()   # the autoscaler's own record
 
     def gpu_hours(self, end_s: float) -> float:
         return sum(self.stopped_at_s.get(i, end_s) - at_s for i, at_s in self.started_at_s.items()) / 3600
@@ -54,16 +54,12 @@ class AutoscaledSimulation(ClusterSimulation):
         super().__init__(config)
         self.autoscaler = autoscaler
         self.startup_s = startup_s
-        self.timeline = FleetTimeline(started_at_s=dict.fromkeys(self.instances, 0.0))
+        self.timeline = FleetTimeline(started_at_s=dict.fromkeys(self.instances, 0.0),
+                                      decisions=autoscaler.decisions)
         self._starting: dict[str, float] = {}
         self._num_created = len(self.instances)
         # The first decision after one cycle of arrivals and beats, as a freshly started scaler's.
         self._push(config.warmup_s + autoscaler.cycle_s, _SCALE, None)
-
-    def run(self, arrivals: Sequence[tuple[float, Request]], *args: Any, **kwargs: Any):  # type: ignore[override]
-        result = super().run(arrivals, *args, **kwargs)
-        self.timeline.decisions = list(self.autoscaler.decisions)
-        return result
 
     def _on_arrive(self, request: Request) -> None:
         self.autoscaler.observe(request, self.now_s)
