@@ -541,7 +541,9 @@ class Heartbeat:
 
     ``sent_at_s`` is wall-clock time; ``engine_time_s`` the engine's own (model) clock.
     ``step_samples`` are recent steps as (prefill tokens, decode seqs, KV tokens attended,
-    seconds, prefill attention pairs). ``finished_ids`` lists requests finished since the previous beat. When a
+    seconds, prefill attention pairs). ``finished_ids`` lists requests finished since the previous beat;
+    ``finished_sizes`` the (prompt tokens, output tokens) of those answered ``ok`` (what the
+    autoscaler sizes future arrivals with: realized lengths, not predicted ones). When a
     list had to be cut to :data:`MAX_HEARTBEAT_REQUESTS`, ``truncated`` is true and the
     ``num_*_total`` fields keep the real counts.
     """
@@ -561,6 +563,7 @@ class Heartbeat:
     num_running_total: int
     num_waiting_total: int
     finished_ids: tuple[str, ...] = ()
+    finished_sizes: tuple[tuple[int, int], ...] = ()
     step_samples: tuple[tuple[int | float, ...], ...] = ()
     lag_p99_ms: float = 0.0
     time_scale: float = 1.0
@@ -574,6 +577,7 @@ class Heartbeat:
         data["running"] = [r.to_list() for r in self.running]
         data["waiting"] = [r.to_list() for r in self.waiting]
         data["finished_ids"] = list(self.finished_ids)
+        data["finished_sizes"] = [list(s) for s in self.finished_sizes]
         data["step_samples"] = [list(s) for s in self.step_samples]
         return {"v": SCHEMA_VERSION, "kind": "heartbeat", **data}
 
@@ -587,12 +591,21 @@ class Heartbeat:
         values["running"] = tuple(RequestProgress.from_list(v) for v in _get(data, "running", list))
         values["waiting"] = tuple(RequestProgress.from_list(v) for v in _get(data, "waiting", list))
         values["finished_ids"] = tuple(data.get("finished_ids") or ())
+        values["finished_sizes"] = _finished_sizes(data.get("finished_sizes") or ())
         values["step_samples"] = tuple(tuple(s) for s in data.get("step_samples") or ())
         _get(data, "instance_id", str)
         _get(data, "seq", int)
         _get_float(data, "sent_at_s")
         _get(data, "engine_config", dict)
         return cls(**values)
+
+
+def _finished_sizes(values: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(values, list | tuple) or not all(
+            isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(n, int) and n >= 0 for n in v)
+            for v in values):
+        raise ValidationError("finished_sizes", "must be a list of [prompt tokens, output tokens] pairs of ints >= 0")
+    return tuple((int(v[0]), int(v[1])) for v in values)
 
 
 def decode_heartbeat(raw: bytes) -> Heartbeat:

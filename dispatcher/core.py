@@ -24,6 +24,8 @@ from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies import Policy, make_policy, make_view
 from dispatcher.priority import eligible_candidates
 
+NUM_ANSWERED_SIZES = 2000
+
 
 @dataclass(frozen=True, slots=True)
 class Placed:
@@ -84,6 +86,9 @@ class DispatcherCore:
         self.timer = timer
         self.slo_ttft_ms = slo_ttft_ms
         self.stats = CoreStats()
+        # (prompt, output tokens) of the latest requests answered ok, from the beats: the
+        # realized mix a scaler sizes future arrivals with.
+        self.answered_sizes: deque[tuple[int, int]] = deque(maxlen=NUM_ANSWERED_SIZES)
 
     @property
     def lengths(self) -> str:
@@ -107,6 +112,7 @@ class DispatcherCore:
             self.stats.num_beats_rejected += 1
             return f"{type(exc).__name__}: {exc}"
         self.stats.num_beats_applied += 1
+        self.answered_sizes.extend(beat.finished_sizes)
         return None
 
     def hear_again(self, now_s: float) -> None:
@@ -142,7 +148,7 @@ class DispatcherCore:
         seen = {state.instance_id for state in states}
         states.extend(InstanceState(instance_id, STARTING, ready_at_s=ready_at_s)
                       for instance_id, ready_at_s in sorted(starting.items()) if instance_id not in seen)
-        return FleetSnapshot(now_s, tuple(states), config, latency_model, num_unplaced)
+        return FleetSnapshot(now_s, tuple(states), config, latency_model, num_unplaced, tuple(self.answered_sizes))
 
     # --- placement ----------------------------------------------------------------------
 

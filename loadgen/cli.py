@@ -42,7 +42,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     parser.add_argument("--trace-times", action="store_true", help="use the trace's own timestamps (rescaled to the rate)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per model second")
-    parser.add_argument("--predictor", default="heuristic", help="fast | heuristic | trace | oracle | roberta")
+    parser.add_argument("--predictor", default="heuristic", help="fast | transformer | ensemble | heuristic | trace | oracle")
     parser.add_argument("--predictor-model", default=None)
     parser.add_argument("--objective", default=None, help="block objective: e2e | ttft | max_latency")
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)

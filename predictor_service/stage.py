@@ -199,8 +199,8 @@ def _prediction(one: PredictionInput, p: LengthPrediction, version: str) -> Pred
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     parser.add_argument("--backend", default="heuristic",
-                        help="heuristic | fast | roberta | oracle | trace (oracle/trace: benchmarks only)")
-    parser.add_argument("--model-dir", default=None, help="trained model directory (fast, roberta)")
+                        help="heuristic | fast | transformer | ensemble | oracle | trace (oracle/trace: benchmarks only)")
+    parser.add_argument("--model-dir", default=None, help="trained model directory (fast, transformer, ensemble)")
     parser.add_argument("--tokenizer", default=None, help="token counter name (env BLOCKQ_TOKENIZER)")
     parser.add_argument("--batch-size", type=int, default=64, help="max requests per read and model call")
     parser.add_argument("--consumer-name", default=None,

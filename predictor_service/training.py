@@ -23,6 +23,7 @@ import structlog
 from blockq.tokenizer import TokenCounter, get_token_counter
 from predictor_service.dataset import (
     DEFAULT_VAL_FRACTION,
+    DatasetSplit,
     LengthExample,
     file_sha256,
     load_examples,
@@ -40,7 +41,9 @@ from predictor_service.models import LengthPrediction, LengthPredictor, load_pre
 
 logger = structlog.get_logger(__name__)
 
-TRAINABLE_BACKENDS = ("fast", "roberta")
+TRAINABLE_BACKENDS = ("fast", "transformer", "auto")
+# What ``auto`` trains and blends (the recommended configuration: see the README).
+AUTO_MEMBERS = ("fast", "transformer")
 NUM_PROMPT_TOKEN_BINS = 10
 _PREDICT_BATCH_SIZE = 256
 
@@ -107,7 +110,6 @@ def score_predictions(
 def _fit_backend(
     backend: str,
     train_examples: Sequence[LengthExample],
-    val_examples: Sequence[LengthExample],
     out_dir: Path,
     seed: int,
     backend_options: dict[str, Any],
@@ -130,29 +132,21 @@ def _fit_backend(
         )
         fast_model.save(out_dir)
         return fast_model, fast_model.manifest_extra()
-    from predictor_service.models.roberta import RobertaTrainConfig, train_roberta
+    from predictor_service.models.transformer import MINILM, train_transformer
 
-    base_model_dir = backend_options.get("base_model_dir")
-    if not base_model_dir:
-        raise ValueError("roberta training needs base_model_dir (a local checkpoint directory)")
-    roberta_model, losses = train_roberta(
-        prompts,
-        outputs,
-        [example.prompt for example in val_examples],
-        [example.output_tokens for example in val_examples],
-        base_model_dir,
-        backend_options.get("roberta_config") or RobertaTrainConfig(),
-        seed=seed,
+    base_model = backend_options.get("base_model") or MINILM
+    model, losses = train_transformer(
+        prompts, outputs, base_model, backend_options.get("transformer_config"), seed=seed
     )
-    roberta_model.save(out_dir)
-    extra = roberta_model.manifest_extra()
+    model.save(out_dir)
+    extra = model.manifest_extra()
     extra.update(
-        base_model_dir=str(base_model_dir),
+        base_model=str(base_model),
         num_steps=len(losses),
         first_loss=losses[0] if losses else None,
         last_loss=losses[-1] if losses else None,
     )
-    return roberta_model, extra
+    return model, extra
 
 
 def train(
@@ -168,9 +162,11 @@ def train(
     """Train ``backend`` on ``data_path`` and write the model into ``out_dir``.
 
     ``backend_options``: ``fast_config`` (:class:`FastConfig`) for ``fast``;
-    ``base_model_dir`` (required) and ``roberta_config`` (:class:`RobertaTrainConfig`)
-    for ``roberta``. Returns the written manifest. ``out_dir`` is created; files of an
-    earlier model there are overwritten.
+    ``base_model`` (default :data:`~predictor_service.models.transformer.MINILM`) and
+    ``transformer_config`` (:class:`TransformerTrainConfig`) for ``transformer``; both
+    for ``auto`` (:data:`AUTO_MEMBERS` into subdirectories, blended as an ``ensemble``
+    with the weight that minimises the validation MAE). Returns the written manifest.
+    ``out_dir`` is created; files of an earlier model there are overwritten.
     """
     if backend not in TRAINABLE_BACKENDS:
         raise ValueError(f"train: backend must be one of {TRAINABLE_BACKENDS} (got {backend!r})")
@@ -185,11 +181,68 @@ def train(
     )
     if not split.train:
         raise ValueError(f"{data_path}: no training examples (need human->gpt conversations)")
+    run = _TrainingRun(split, seed, counter, settings)
     directory = Path(out_dir)
+    if backend != "auto":
+        return _train_one(run, backend, directory, backend_options)[1]
+    members: dict[str, LengthPredictor] = {}
+    seconds = 0.0
+    for name in AUTO_MEMBERS:
+        members[name], manifest = _train_one(run, name, directory / name, backend_options)
+        seconds += manifest.training_seconds
+    return _write_ensemble(run, members, directory, seconds)
+
+
+@dataclass(frozen=True)
+class _TrainingRun:
+    """What every model of one ``train`` call shares."""
+
+    split: DatasetSplit
+    seed: int
+    counter: TokenCounter
+    settings: TrainOptions
+
+
+def _train_one(
+    run: _TrainingRun, backend: str, directory: Path, backend_options: dict[str, Any]
+) -> tuple[LengthPredictor, Manifest]:
     directory.mkdir(parents=True, exist_ok=True)
     started_at_s = time.perf_counter()
-    model, extra = _fit_backend(backend, split.train, split.val, directory, seed, backend_options)
+    model, extra = _fit_backend(backend, run.split.train, directory, run.seed, backend_options)
     training_seconds = time.perf_counter() - started_at_s
+    return model, _write_trained(run, backend, model, extra, directory, training_seconds)
+
+
+def _write_ensemble(
+    run: _TrainingRun, members: dict[str, LengthPredictor], directory: Path, training_seconds: float
+) -> Manifest:
+    """The blend of ``fast`` and ``transformer`` with the validation's best weight."""
+    from predictor_service.models.ensemble import EnsembleLengthModel, choose_weight
+
+    split = run.split
+    fast, _ = predict_in_batches(members["fast"], split.val, _PREDICT_BATCH_SIZE)
+    transformer, _ = predict_in_batches(members["transformer"], split.val, _PREDICT_BATCH_SIZE)
+    weight, errors = choose_weight(fast, transformer, output_tokens_array(split.val))
+    model = EnsembleLengthModel(
+        members,
+        {"fast": round(1 - weight, 1), "transformer": weight},
+        int(output_tokens_array(split.train).max()),
+    )
+    extra = model.manifest_extra()
+    extra["val_mae_by_transformer_weight"] = {str(w): round(e, 3) for w, e in errors.items()}
+    return _write_trained(run, "ensemble", model, extra, directory, training_seconds)
+
+
+def _write_trained(
+    run: _TrainingRun,
+    backend: str,
+    model: LengthPredictor,
+    extra: dict[str, Any],
+    directory: Path,
+    training_seconds: float,
+) -> Manifest:
+    """Score ``model`` on the validation split and write its manifest into ``directory``."""
+    split, settings, counter = run.split, run.settings, run.counter
     train_targets = output_tokens_array(split.train)
     baseline_tokens = float(np.median(train_targets))
     predictions, _ = predict_in_batches(model, split.val, _PREDICT_BATCH_SIZE)
@@ -204,7 +257,7 @@ def train(
         baseline_median_tokens=baseline_tokens,
         num_train_examples=len(split.train),
         num_val_examples=len(split.val),
-        seed=seed,
+        seed=run.seed,
         created_at_s=time.time(),
         training_seconds=round(training_seconds, 3),
         val_fraction=settings.val_fraction,

@@ -4,6 +4,7 @@ autoscaled simulation (instances started and drained in virtual time, nothing lo
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -183,6 +184,22 @@ def test_the_predictive_scaler_grows_an_overloaded_fleet_and_shrinks_an_idle_one
     want = quiet.want(fleet, frozenset({"up", "down"}), rules)
     assert want.size == 5  # the step limit: one of six
     assert quiet.want(fleet, frozenset({"up"}), rules).size == 6  # no scale-down allowed: none considered
+
+
+def test_the_predictive_scaler_sizes_the_future_with_answered_requests_once_it_has_enough() -> None:
+    """Arrivals predicted at 1,500 output tokens: a fleet of 2 looks overloaded at 6 req/s;
+    once 1,000 requests were answered with 40 tokens each, the same fleet holds."""
+    history = ArrivalHistory()
+    for at_s, prompt, _ in _poisson(6.0, 900.0, seed=3):
+        history.observe(at_s, prompt, 1500)
+    rules = ScalingRules(min_instances=1, max_instances=12)
+    scaler = PredictiveScaler(history, startup_s=60.0)
+    fleet = _snapshot(_scheduler(now_s=900.0), _scheduler(now_s=900.0), now_s=900.0)
+    assert scaler.want(fleet, frozenset({"up"}), rules).size > 2
+    few = replace(fleet, answered_sizes=((200, 40),) * 999)
+    assert scaler.want(few, frozenset({"up"}), rules).size > 2  # too few answers: the predictions
+    enough = replace(fleet, answered_sizes=((200, 40),) * 1000)
+    assert scaler.want(enough, frozenset({"up"}), rules).size == 2
 
 
 def test_the_reactive_scaler_follows_kv_usage_and_waits_its_stabilisation_window() -> None:

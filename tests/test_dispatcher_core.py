@@ -88,3 +88,15 @@ def test_held_without_instances_and_unstarted_requests_move_elsewhere() -> None:
     assert len(core.view.instances["b"].assigned_not_seen) == 4
 
 
+
+
+def test_the_fleet_snapshot_carries_the_sizes_of_answered_requests_from_applied_beats() -> None:
+    core = DispatcherCore("block", seed=0)
+    core.apply_heartbeat(dataclasses.replace(make_heartbeat("a", sent_at_s=0.0), finished_ids=("x", "y"),
+                                             finished_sizes=((120, 33),)), 0.0)
+    rejected = dataclasses.replace(make_heartbeat("b", sent_at_s=0.0), engine_config={"num_gpu_blocks": 0},
+                                   finished_sizes=((1, 1),))
+    assert core.apply_heartbeat(rejected, 0.1) is not None
+    core.apply_heartbeat(dataclasses.replace(make_heartbeat("a", seq=2, sent_at_s=0.1),
+                                             finished_sizes=((40, 500),)), 0.1)
+    assert core.fleet_snapshot(0.2, {}).answered_sizes == ((120, 33), (40, 500))

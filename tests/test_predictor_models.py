@@ -80,5 +80,5 @@ def test_registry_errors_name_backend_and_path(tmp_path: Path) -> None:
         load_predictor("fast", str(missing))
     with pytest.raises(FileNotFoundError, match="manifest"):
         load_predictor("fast", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="roberta checkpoint not found"):
-        load_predictor("roberta", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="transformer checkpoint not found"):
+        load_predictor("transformer", str(tmp_path))

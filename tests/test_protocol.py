@@ -134,5 +134,9 @@ def test_heartbeat_round_trip() -> None:
     beat = Heartbeat(instance_id="i", state="live", seq=3, sent_at_s=1.0, engine_time_s=0.5, model="m",
                      preset="p", engine_config={"num_gpu_blocks": 10}, latency_model=None, num_used_blocks=4,
                      running=(RequestProgress("a", 10, 12, 2, 50, 90),), waiting=(), num_running_total=1,
-                     num_waiting_total=0, finished_ids=("z",), step_samples=((0, 1, 12, 0.02),))
+                     num_waiting_total=0, finished_ids=("z",), finished_sizes=((30, 7),),
+                     step_samples=((0, 1, 12, 0.02),))
     assert decode_heartbeat(encode(beat)) == beat
+    data = beat.to_map() | {"finished_sizes": [[30, "7"]]}
+    with pytest.raises(ValidationError, match="finished_sizes"):
+        decode_heartbeat(msgpack.packb(data, use_bin_type=True))

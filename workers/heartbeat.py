@@ -14,7 +14,7 @@ MAX_FINISHED_IDS = 512
 
 
 class HeartbeatBuilder:
-    """Collects step samples and finished ids between beats; ``build`` empties them.
+    """Collects step samples and finished requests between beats; ``build`` empties them.
     ``clock`` gives a beat's ``sent_at_s`` (wall seconds; a simulation passes its own)."""
 
     def __init__(self, instance_id: str, engine: Engine, *, clock: Callable[[], float] = time.time) -> None:
@@ -24,12 +24,17 @@ class HeartbeatBuilder:
         self.seq = 0
         self._samples: deque[tuple[int, int, int, float, int]] = deque(maxlen=MAX_STEP_SAMPLES)
         self._finished: deque[str] = deque(maxlen=MAX_FINISHED_IDS)
+        self._finished_sizes: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED_IDS)
 
     def record_step(self, output: EngineStepOutput) -> None:
         self._samples.extend(output.samples)
 
     def record_finished(self, request_id: str) -> None:
         self._finished.append(request_id)
+
+    def record_answered(self, prompt_tokens: int, output_tokens: int) -> None:
+        """A request answered ``ok`` with these sizes (beside :meth:`record_finished`)."""
+        self._finished_sizes.append((prompt_tokens, output_tokens))
 
     def build(self, state: str, recent_lag_ms: Iterable[float]) -> Heartbeat:
         running, waiting, num_used_blocks = self.engine.progress()
@@ -43,9 +48,10 @@ class HeartbeatBuilder:
             num_used_blocks=num_used_blocks,
             running=tuple(running[:MAX_HEARTBEAT_REQUESTS]), waiting=tuple(waiting[:MAX_HEARTBEAT_REQUESTS]),
             num_running_total=len(running), num_waiting_total=len(waiting),
-            finished_ids=tuple(self._finished), step_samples=tuple(self._samples),
+            finished_ids=tuple(self._finished), finished_sizes=tuple(self._finished_sizes), step_samples=tuple(self._samples),
             lag_p99_ms=lag_p99_ms, time_scale=self.engine.time_scale, engine_stats=self.engine.engine_stats(),
             truncated=len(running) > MAX_HEARTBEAT_REQUESTS or len(waiting) > MAX_HEARTBEAT_REQUESTS)
         self._samples.clear()
         self._finished.clear()
+        self._finished_sizes.clear()
         return beat

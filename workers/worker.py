@@ -419,6 +419,7 @@ class InstanceWorker:
             self.stats.num_errors += 1
         else:
             self.stats.num_finished += 1
+            self.beats.record_answered(flight.prompt_tokens, flight.num_answered_tokens)
 
     # --- cancellation and heartbeats ----------------------------------------------------
 

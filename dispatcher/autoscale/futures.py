@@ -53,13 +53,15 @@ class InstanceState:
 class FleetSnapshot:
     """The fleet at ``now_s``; ``config`` / ``latency_model``: what a new instance runs
     (None until an instance was seen); ``num_unplaced``: requests the dispatcher holds
-    (the backlog not yet on any instance)."""
+    (the backlog not yet on any instance); ``answered_sizes``: (prompt, output tokens) of
+    the latest requests answered ok, oldest first."""
 
     now_s: float
     instances: tuple[InstanceState, ...]
     config: EngineConfig | None = None
     latency_model: StepLatencyModel | None = None
     num_unplaced: int = 0
+    answered_sizes: tuple[tuple[int, int], ...] = ()
 
     def with_status(self, status: str) -> list[InstanceState]:
         return [instance for instance in self.instances if instance.status == status]

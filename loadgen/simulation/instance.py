@@ -144,6 +144,7 @@ class SimulatedInstance:
             if event.finished:
                 del self.in_flight[event.request_id]
                 self.beats.record_finished(event.request_id)
+                self.beats.record_answered(flight.prompt_tokens, flight.num_answered_tokens)
                 finals.append(final_record(flight, self.instance_id, self.engine.time_scale, status="ok",
                                            finish_reason=event.finish_reason or "stop"))
         return finals

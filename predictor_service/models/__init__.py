@@ -3,15 +3,16 @@
 ``load_predictor(backend, model_dir)`` is the only way services obtain a predictor.
 Backends:
 
-=============  ==========================================================  ============
-name           what                                                         model_dir
-=============  ==========================================================  ============
-``heuristic``  prompt-length power law with fixed spread (cold start)        not used
-``oracle``     the request's ``true_output_tokens`` (benchmarks only)        not used
-``trace``      the prediction shipped with a trace replay                    not used
-``fast``       hand features + bag-of-words score + LightGBM quantiles      required
-``roberta``    ``AutoModelForSequenceClassification`` regression (torch)     required
-=============  ==========================================================  ============
+===============  ========================================================  ============
+name             what                                                       model_dir
+===============  ========================================================  ============
+``heuristic``    prompt-length power law with fixed spread (cold start)      not used
+``oracle``       the request's ``true_output_tokens`` (benchmarks only)      not used
+``trace``        the prediction shipped with a trace replay                  not used
+``fast``         hand features + bag-of-words score + LightGBM quantiles    required
+``transformer``  a fine-tuned encoder with p10/p50/p90 pinball heads        required
+``ensemble``     a weighted ln-space blend of trained members (``auto``)    required
+===============  ========================================================  ============
 
 Heavy dependencies (lightgbm, torch) are imported only when their backend loads.
 """
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 # Backends that read a trained model directory.
-MODEL_BACKENDS = ("fast", "roberta")
+MODEL_BACKENDS = ("fast", "transformer", "ensemble")
 
 
 def _required(model_dir: Path | None, backend: str) -> Path:
@@ -74,10 +75,16 @@ def _load_fast(model_dir: Path | None) -> LengthPredictor:
     return FastLengthModel.load(_required(model_dir, "fast"))
 
 
-def _load_roberta(model_dir: Path | None) -> LengthPredictor:
-    from predictor_service.models.roberta import RobertaLengthModel
+def _load_transformer(model_dir: Path | None) -> LengthPredictor:
+    from predictor_service.models.transformer import TransformerLengthModel
 
-    return RobertaLengthModel.load(_required(model_dir, "roberta"))
+    return TransformerLengthModel.load(_required(model_dir, "transformer"))
+
+
+def _load_ensemble(model_dir: Path | None) -> LengthPredictor:
+    from predictor_service.models.ensemble import EnsembleLengthModel
+
+    return EnsembleLengthModel.load(_required(model_dir, "ensemble"), load_predictor)
 
 
 BACKENDS: dict[str, Callable[[Path | None], LengthPredictor]] = {
@@ -85,14 +92,15 @@ BACKENDS: dict[str, Callable[[Path | None], LengthPredictor]] = {
     "oracle": _load_oracle,
     "trace": _load_trace,
     "fast": _load_fast,
-    "roberta": _load_roberta,
+    "transformer": _load_transformer,
+    "ensemble": _load_ensemble,
 }
 
 
 def load_predictor(backend: str, model_dir: str | None = None) -> LengthPredictor:
     """Return a ready predictor of ``backend``.
 
-    ``model_dir`` is required by ``fast`` and ``roberta`` (a directory written by
+    ``model_dir`` is required by :data:`MODEL_BACKENDS` (a directory written by
     ``train``) and ignored by the others. Raises ``ValueError`` for an unknown backend
     or a missing ``model_dir`` and ``FileNotFoundError`` naming a missing path.
     """
