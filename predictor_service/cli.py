@@ -5,9 +5,17 @@ The ``blockq`` CLI mounts them under ``blockq predictor``::
     blockq predictor train --data sharegpt_train.json.gz --backend fast --out models/fast
     blockq predictor eval --model models/fast --data sharegpt_train.json.gz --json
     blockq predictor split --data sharegpt_train.json.gz --split val --out sharegpt_val.json.gz
+    blockq predictor refine-train --data sharegpt_train.json.gz --first-guess-model models/fast \
+        --out models/refine
+    blockq predictor refine-eval --model models/refine --data sharegpt_train.json.gz \
+        --first-guess-model models/fast --json
 
 ``split`` writes the held-out conversations (or the training ones) as a ShareGPT file, for
-benchmarks on prompts the model did not train on.
+benchmarks on prompts the model did not train on. ``refine-train`` / ``refine-eval`` fit
+and score the remaining-length refinement model (:mod:`predictor_service.models.refine`);
+``refine-eval --json`` prints one JSON object: ``stages`` (per cut fraction: ``fraction``,
+``count``, ``mae``, ``first_guess_conditional_mae``, ``mae_ratio``, ``constant_mae``,
+``kendall_tau``, ``p10_p90_coverage``), ``refinements_per_s`` and ``version``.
 
 ``eval --json`` prints exactly one JSON object on stdout: ``count``, ``mae``, ``mape``,
 ``acc50``, ``acc100``, ``median_ae``, ``kendall_tau``, ``predictions_per_s``,
@@ -30,7 +38,8 @@ from predictor_service.metrics import METRIC_KEYS
 
 
 def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
-    """Register ``train``, ``eval`` and ``split`` (each sets ``handler`` to its function)."""
+    """Register ``train``, ``eval``, ``split``, ``refine-train`` and ``refine-eval`` (each
+    sets ``handler`` to its function)."""
     train_parser = subparsers.add_parser(
         "train", help="train an output-length model on a ShareGPT file"
     )
@@ -111,6 +120,34 @@ def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
         help=f"as given to train (default {DEFAULT_VAL_FRACTION}, train's default)",
     )
     split_parser.set_defaults(handler=handle_split)
+    _add_refine_commands(subparsers)
+
+
+def _add_refine_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
+    """Register ``refine-train`` and ``refine-eval``."""
+    refine_train = subparsers.add_parser(
+        "refine-train", help="train the remaining-length refinement model (one thread)"
+    )
+    refine_train.add_argument("--data", required=True, help="ShareGPT JSON file (plain or .gz)")
+    refine_train.add_argument(
+        "--first-guess-model", required=True, help="fast model directory (the deployed first guess)"
+    )
+    refine_train.add_argument("--out", required=True, help="model directory to write")
+    refine_train.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    refine_train.add_argument("--max-examples", type=int, help="read at most this many prompts")
+    refine_train.set_defaults(handler=handle_refine_train)
+
+    refine_eval = subparsers.add_parser(
+        "refine-eval", help="score a refinement model per stage of the output"
+    )
+    refine_eval.add_argument("--model", required=True, help="directory written by refine-train")
+    refine_eval.add_argument("--data", required=True, help="ShareGPT JSON file (plain or .gz)")
+    refine_eval.add_argument(
+        "--first-guess-model", required=True, help="fast model directory (the deployed first guess)"
+    )
+    refine_eval.add_argument("--max-examples", type=int, help="read at most this many prompts")
+    refine_eval.add_argument("--json", action="store_true", help="print one JSON object")
+    refine_eval.set_defaults(handler=handle_refine_eval)
 
 
 def _json_safe(value: Any) -> Any:
@@ -216,8 +253,76 @@ def handle_split(args: argparse.Namespace) -> int:
     return 0
 
 
+_STAGE_COLUMNS = (
+    ("fraction", "stage", "{:>5.0%}"),
+    ("count", "count", "{:>6d}"),
+    ("mae", "mae", "{:>8.1f}"),
+    ("first_guess_conditional_mae", "fg_cond_mae", "{:>11.1f}"),
+    ("mae_ratio", "ratio", "{:>6.3f}"),
+    ("constant_mae", "const_mae", "{:>9.1f}"),
+    ("kendall_tau", "tau", "{:>6.3f}"),
+    ("p10_p90_coverage", "p10-p90", "{:>7.3f}"),
+)
+
+
+def _write_stage_table(stages: list[dict[str, Any]]) -> None:
+    sys.stdout.write(" ".join(f"{title:>{len(fmt.format(0))}}" for _, title, fmt in _STAGE_COLUMNS))
+    sys.stdout.write("\n")
+    for stage in stages:
+        cells = []
+        for key, _, fmt in _STAGE_COLUMNS:
+            value = stage[key]
+            is_missing = isinstance(value, float) and not math.isfinite(value)
+            cells.append(f"{'-':>{len(fmt.format(0))}}" if is_missing else fmt.format(value))
+        sys.stdout.write(" ".join(cells) + "\n")
+
+
+def handle_refine_train(args: argparse.Namespace) -> int:
+    """Run ``refine-train``; prints the validation stage table."""
+    from predictor_service.refine_training import RefineTrainOptions, train_refine_file
+
+    _log_to_stderr()
+    manifest = train_refine_file(
+        args.data,
+        args.first_guess_model,
+        args.out,
+        seed=args.seed,
+        options=RefineTrainOptions(max_examples=args.max_examples),
+    )
+    figures = manifest["training"]
+    sys.stdout.write(
+        f"trained refinement model {manifest['version']} -> {args.out}\n"
+        f"  {figures['num_train_examples']} answers, {figures['num_train_rows']} rows;"
+        f" {figures['training_seconds']:.1f} s; {figures['refinements_per_s']:.0f} refinements/s\n"
+    )
+    _write_stage_table(figures["val_stages"])
+    return 0
+
+
+def handle_refine_eval(args: argparse.Namespace) -> int:
+    """Run ``refine-eval``; with ``--json`` prints exactly one JSON object, else a table."""
+    from predictor_service.refine_eval import evaluate_refine_file
+
+    _log_to_stderr()
+    result = evaluate_refine_file(
+        args.model, args.data, args.first_guess_model, max_examples=args.max_examples
+    )
+    if args.json:
+        keys = ("stages", "refinements_per_s", "version")
+        payload = {key: result[key] for key in keys}
+        payload["stages"] = [_json_safe(stage) for stage in result["stages"]]
+        sys.stdout.write(json.dumps(_json_safe(payload), sort_keys=True) + "\n")
+        return 0
+    sys.stdout.write(
+        f"refinement {result['version']} on {args.data} ({result['split']} split; first guess"
+        f" {result['first_guess_version']}; {result['refinements_per_s']:.0f} refinements/s)\n"
+    )
+    _write_stage_table(result["stages"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: ``python -m predictor_service.cli train|eval|split ...``."""
+    """Stand-alone entry: ``python -m predictor_service.cli train|eval|split|refine-* ...``."""
     parser = argparse.ArgumentParser(prog="blockq predictor")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_predictor_commands(subparsers)
