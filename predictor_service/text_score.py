@@ -107,9 +107,11 @@ class TextScoreModel:
             return cls(data["terms"], arrays["idf"], arrays["coef"], data["intercept"])
 
 
-def _fit_once(
+def fit_tfidf_ridge(
     texts: Sequence[str], log_targets: npt.NDArray[np.float64], config: TextScoreConfig
 ) -> TextScoreModel:
+    """TF-IDF of word 1-2-grams of ``texts`` (sublinear tf) -> a ridge on ``log_targets``,
+    in one fit (no folds): the prompt score's and the refinement tail score's one recipe."""
     min_df = config.min_df if len(texts) >= 10 * config.min_df else 1
     vectorizer = TfidfVectorizer(
         ngram_range=(1, 2),
@@ -143,12 +145,12 @@ def fit_text_score(
     settings = config or TextScoreConfig()
     targets = np.asarray(log_targets, dtype=np.float64)
     texts = [edge_text(prompt) for prompt in prompts]
-    full_model = _fit_once(texts, targets, settings)
+    full_model = fit_tfidf_ridge(texts, targets, settings)
     if len(texts) < 2 * settings.num_folds:
         return full_model, full_model.score(prompts)
     out_of_fold = np.empty(len(texts), dtype=np.float64)
     folds = KFold(settings.num_folds, shuffle=True, random_state=seed)
     for train_index, test_index in folds.split(texts):
-        fold_model = _fit_once([texts[i] for i in train_index], targets[train_index], settings)
+        fold_model = fit_tfidf_ridge([texts[i] for i in train_index], targets[train_index], settings)
         out_of_fold[test_index] = fold_model.score([prompts[i] for i in test_index])
     return full_model, out_of_fold

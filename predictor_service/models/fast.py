@@ -49,6 +49,27 @@ _BOOSTER_FILE_NAMES = {0.1: "booster_p10.txt", 0.5: "booster_p50.txt", 0.9: "boo
 SPREAD_OFFSETS_FILE = "spread_offsets.json"
 
 
+def save_boosters(boosters: dict[float, lightgbm.Booster], directory: Path) -> list[Path]:
+    """The p10/p50/p90 boosters as ``booster_p*.txt`` in ``directory``."""
+    paths = []
+    for quantile, file_name in _BOOSTER_FILE_NAMES.items():
+        path = directory / file_name
+        boosters[quantile].save_model(str(path))
+        paths.append(path)
+    return paths
+
+
+def load_boosters(directory: Path, model_kind: str) -> dict[float, lightgbm.Booster]:
+    """What :func:`save_boosters` wrote; ``FileNotFoundError`` names a missing file."""
+    boosters = {}
+    for quantile, file_name in _BOOSTER_FILE_NAMES.items():
+        path = directory / file_name
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_kind} model file not found: {path}")
+        boosters[quantile] = lightgbm.Booster(model_file=str(path))
+    return boosters
+
+
 @dataclass(frozen=True)
 class FastConfig:
     """Training settings of the ``fast`` model.
@@ -229,11 +250,7 @@ class FastLengthModel:
         """Write the model files (not the manifest) into ``model_dir`` (created)."""
         directory = Path(model_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for quantile, file_name in _BOOSTER_FILE_NAMES.items():
-            path = directory / file_name
-            self.boosters[quantile].save_model(str(path))
-            paths.append(path)
+        paths = save_boosters(self.boosters, directory)
         if self.featurizer.text_model is not None:
             paths.extend(self.featurizer.text_model.save(directory))
         offsets_path = directory / SPREAD_OFFSETS_FILE
@@ -251,12 +268,7 @@ class FastLengthModel:
         if manifest.backend != "fast":
             raise ValueError(f"{directory}: manifest backend is {manifest.backend!r}, not 'fast'")
         config = FastConfig.from_json_dict(manifest.extra.get("fast_config", {}))
-        boosters = {}
-        for quantile, file_name in _BOOSTER_FILE_NAMES.items():
-            path = directory / file_name
-            if not path.is_file():
-                raise FileNotFoundError(f"fast model file not found: {path}")
-            boosters[quantile] = lightgbm.Booster(model_file=str(path))
+        boosters = load_boosters(directory, "fast")
         text_model = TextScoreModel.load(directory) if config.text_score is not None else None
         offsets_path = directory / SPREAD_OFFSETS_FILE
         if not offsets_path.is_file():

@@ -34,6 +34,7 @@ import numpy.typing as npt
 import structlog
 
 from predictor_service.models.base import LengthPrediction, PredictionInput, clip_predictions
+from predictor_service.models.fast import load_boosters, save_boosters
 from predictor_service.models.refine_features import (
     RefineFeaturizer,
     RefineInput,
@@ -47,7 +48,6 @@ __all__ = ["RefineInput", "RefineModel", "MANIFEST_FILE_NAME", "QUANTILES"]
 QUANTILES: tuple[float, float, float] = (0.1, 0.5, 0.9)
 MANIFEST_FILE_NAME = "refine_manifest.json"
 MANIFEST_FORMAT = 1
-_BOOSTER_FILE_NAMES = {0.1: "booster_p10.txt", 0.5: "booster_p50.txt", 0.9: "booster_p90.txt"}
 # No cap when neither the request nor training bounds the remaining length.
 _UNBOUNDED_TOKENS = 1_000_000_000
 
@@ -157,11 +157,7 @@ class RefineModel:
         """Write the model files and ``refine_manifest.json`` into ``model_dir`` (created)."""
         directory = Path(model_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for quantile, file_name in _BOOSTER_FILE_NAMES.items():
-            path = directory / file_name
-            self.boosters[quantile].save_model(str(path))
-            paths.append(path)
+        paths = save_boosters(self.boosters, directory)
         if self.featurizer.tail_model is not None:
             paths.extend(self.featurizer.tail_model.save(directory))
         manifest_path = directory / MANIFEST_FILE_NAME
@@ -181,12 +177,7 @@ class RefineModel:
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"{manifest_path}: unknown format {manifest.get('format')!r}")
-        boosters = {}
-        for quantile, file_name in _BOOSTER_FILE_NAMES.items():
-            path = directory / file_name
-            if not path.is_file():
-                raise FileNotFoundError(f"refine model file not found: {path}")
-            boosters[quantile] = lightgbm.Booster(model_file=str(path))
+        boosters = load_boosters(directory, "refine")
         tail_model = TextScoreModel.load(directory) if manifest["tail_score"] else None
         featurizer = RefineFeaturizer(tuple(manifest["feature_names"]), tail_model)
         low_offset, high_offset = manifest["spread_log_offsets"]

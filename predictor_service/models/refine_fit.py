@@ -15,18 +15,13 @@ import lightgbm
 import numpy as np
 import numpy.typing as npt
 import structlog
-from sklearn.feature_extraction.text import TfidfVectorizer
-from sklearn.linear_model import Ridge
 from sklearn.model_selection import GroupKFold
 
 from predictor_service.models.refine import QUANTILES, RefineModel
 from predictor_service.models.refine_features import ALL_FEATURE_NAMES, RefineFeaturizer
-from predictor_service.text_score import TextScoreConfig, TextScoreModel
+from predictor_service.text_score import TextScoreConfig, TextScoreModel, fit_tfidf_ridge
 
 logger = structlog.get_logger(__name__)
-
-_TOKEN_PATTERN = r"(?u)\b\w\w+\b|[?!#`*|:]"
-
 
 @dataclass(frozen=True)
 class RefineFitConfig:
@@ -70,27 +65,6 @@ class RefineFitConfig:
         }
 
 
-def fit_tail_score(
-    tails: Sequence[str], log_targets: npt.NDArray[np.float64], config: TextScoreConfig
-) -> TextScoreModel:
-    """TF-IDF of word 1-2-grams of the tails -> ridge on ln(remaining tokens)."""
-    min_df = config.min_df if len(tails) >= 10 * config.min_df else 1
-    vectorizer = TfidfVectorizer(
-        ngram_range=(1, 2),
-        token_pattern=_TOKEN_PATTERN,
-        lowercase=True,
-        min_df=min_df,
-        max_features=config.max_terms,
-        sublinear_tf=True,
-    )
-    matrix = vectorizer.fit_transform(tails)
-    ridge = Ridge(alpha=config.ridge_alpha).fit(matrix, log_targets)
-    terms = [""] * len(vectorizer.vocabulary_)
-    for term, index in vectorizer.vocabulary_.items():
-        terms[index] = term
-    return TextScoreModel(terms, vectorizer.idf_, ridge.coef_, float(ridge.intercept_))
-
-
 def _group_folds(num_folds: int, groups: npt.NDArray[np.int64]) -> list[tuple[Any, Any]]:
     return list(GroupKFold(num_folds).split(np.zeros(len(groups)), groups=groups))
 
@@ -102,12 +76,12 @@ def out_of_fold_tail_scores(
     config: TextScoreConfig,
 ) -> tuple[TextScoreModel, npt.NDArray[np.float64]]:
     """The tail score fitted on all rows and, per row, one from the other answers' folds."""
-    full_model = fit_tail_score(tails, log_targets, config)
+    full_model = fit_tfidf_ridge(tails, log_targets, config)
     if len(np.unique(groups)) < config.num_folds:
         return full_model, full_model.score(list(tails))
     scores = np.empty(len(tails), dtype=np.float64)
     for train_index, test_index in _group_folds(config.num_folds, groups):
-        fold_model = fit_tail_score(
+        fold_model = fit_tfidf_ridge(
             [tails[i] for i in train_index], log_targets[train_index], config
         )
         scores[test_index] = fold_model.score([tails[i] for i in test_index])
