@@ -47,6 +47,21 @@ def settings(redis_url: str) -> Settings:
     return Settings(redis_url=redis_url, heartbeat_interval_ms=50, claim_idle_ms=1000)
 
 
+@pytest.fixture
+def stdlib_logging() -> Iterator[None]:
+    """Route structlog through stdlib logging (no cached loggers bound to a captured
+    stream), so CLI handlers called in-process leave the process's logging alone."""
+    import structlog
+
+    structlog.configure(
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    yield
+    structlog.reset_defaults()
+
+
 def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02) -> object:
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

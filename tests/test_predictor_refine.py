@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import structlog
 
 from predictor_service.cli import add_predictor_commands
 from predictor_service.models.fast import FastConfig
@@ -53,16 +51,7 @@ def _list_conversations(num_conversations: int, seed: int = 0) -> list[dict[str,
     return records
 
 
-@pytest.fixture(autouse=True)
-def _stdlib_logging() -> Iterator[None]:
-    """Route structlog through stdlib logging so CLI handlers leave logging alone."""
-    structlog.configure(
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
-        cache_logger_on_first_use=False,
-    )
-    yield
-    structlog.reset_defaults()
+pytestmark = pytest.mark.usefixtures("stdlib_logging")
 
 
 @pytest.fixture(scope="module")

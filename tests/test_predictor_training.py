@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
 from predictor_service.cli import add_predictor_commands
 from predictor_service.dataset import is_validation_conversation
@@ -16,18 +14,7 @@ from predictor_service.manifest import read_manifest
 from predictor_service.metrics import METRIC_KEYS
 from predictor_service.synthetic import make_synthetic_sharegpt
 
-
-@pytest.fixture(autouse=True)
-def _stdlib_logging() -> Iterator[None]:
-    """Route structlog through stdlib logging (no cached loggers bound to a captured
-    stream), so the CLI handlers leave the process's logging set-up alone."""
-    structlog.configure(
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
-        cache_logger_on_first_use=False,
-    )
-    yield
-    structlog.reset_defaults()
+pytestmark = pytest.mark.usefixtures("stdlib_logging")
 
 
 @pytest.fixture(scope="module")
