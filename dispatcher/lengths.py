@@ -69,15 +69,21 @@ def check_length_mode(lengths: str) -> str:
 
 def conditional_quantile(p50_tokens: int, sigma: float, num_generated_tokens: int, quantile: float) -> int:
     """The ``quantile`` of a lognormal(ln p50, sigma) length given that it exceeds
-    ``num_generated_tokens``."""
+    ``num_generated_tokens``, in whole tokens."""
+    return int(round(conditional_quantile_tokens(p50_tokens, sigma, num_generated_tokens, quantile)))
+
+
+def conditional_quantile_tokens(p50_tokens: int, sigma: float, num_generated_tokens: int,
+                                quantile: float) -> float:
+    """:func:`conditional_quantile` unrounded (a model feature reads it as a real number)."""
     mu = math.log(max(1, p50_tokens))
     if num_generated_tokens <= 0:
-        return int(round(math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(quantile))))
+        return math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(quantile))
     z = (math.log(num_generated_tokens) - mu) / sigma
     tail_start = _STANDARD_NORMAL.cdf(z)
     # The point that far through the remaining mass.
     level = min(1 - 1e-12, tail_start + quantile * (1 - tail_start))
-    return int(round(math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(level))))
+    return math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(level))
 
 
 def belief_from_prediction(p50_tokens: int | None, p10_tokens: int | None = None, p90_tokens: int | None = None,

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +30,14 @@ logger = structlog.get_logger(__name__)
 
 DEFAULT_VAL_FRACTION = 0.1
 _TOKEN_COUNT_BATCH = 512
+
+
+class _Conversational(Protocol):
+    @property
+    def conversation_id(self) -> str: ...
+
+
+_Example = TypeVar("_Example", bound=_Conversational)
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,32 @@ def is_validation_conversation(conversation_id: str, val_fraction: float) -> boo
     return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction
 
 
+def iter_distinct_pairs(
+    data_path: str | os.PathLike[str],
+    *,
+    first_turn_only: bool = True,
+    max_examples: int | None = None,
+) -> Iterator[tuple[str, str, str, int]]:
+    """(conversation id, prompt, answer, human turns so far) of a ShareGPT file's pairs,
+    as every model reads them: blank prompts or answers skipped, prompts deduplicated on
+    their exact text (first occurrence kept); a later turn's prompt is the earlier turns
+    and the human turn joined by newlines. ``max_examples`` stops early."""
+    path = Path(data_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ShareGPT data file not found: {path}")
+    seen_prompts: set[str] = set()
+    for pair in iter_pairs(path, first_turn_only=first_turn_only):
+        if not pair.prompt.strip() or not pair.answer.strip():
+            continue
+        prompt = "\n".join((*pair.history, pair.prompt)) if pair.history else pair.prompt
+        if prompt in seen_prompts:
+            continue
+        seen_prompts.add(prompt)
+        yield pair.conversation_id, prompt, pair.answer, pair.turn_index + 1
+        if max_examples is not None and len(seen_prompts) >= max_examples:
+            return
+
+
 def load_examples(
     data_path: str | os.PathLike[str],
     token_counter: TokenCounter,
@@ -96,20 +130,7 @@ def load_examples(
     ``num_turns`` counts the human turns so far. ``max_examples`` stops early.
     """
     path = Path(data_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"ShareGPT data file not found: {path}")
-    seen_prompts: set[str] = set()
-    pending: list[tuple[str, str, str, int]] = []
-    for pair in iter_pairs(path, first_turn_only=first_turn_only):
-        if not pair.prompt.strip() or not pair.answer.strip():
-            continue
-        prompt = "\n".join((*pair.history, pair.prompt)) if pair.history else pair.prompt
-        if prompt in seen_prompts:
-            continue
-        seen_prompts.add(prompt)
-        pending.append((pair.conversation_id, prompt, pair.answer, pair.turn_index + 1))
-        if max_examples is not None and len(pending) >= max_examples:
-            break
+    pending = list(iter_distinct_pairs(path, first_turn_only=first_turn_only, max_examples=max_examples))
     examples: list[LengthExample] = []
     for start in range(0, len(pending), _TOKEN_COUNT_BATCH):
         batch = pending[start : start + _TOKEN_COUNT_BATCH]
@@ -137,12 +158,13 @@ def _check_val_fraction(val_fraction: float) -> None:
 
 
 def split_examples(
-    examples: Sequence[LengthExample], val_fraction: float = DEFAULT_VAL_FRACTION
-) -> tuple[tuple[LengthExample, ...], tuple[LengthExample, ...]]:
-    """Split into (train, val) by :func:`is_validation_conversation`."""
+    examples: Sequence[_Example], val_fraction: float = DEFAULT_VAL_FRACTION
+) -> tuple[tuple[_Example, ...], tuple[_Example, ...]]:
+    """Split into (train, val) by :func:`is_validation_conversation` (any examples with a
+    ``conversation_id``)."""
     _check_val_fraction(val_fraction)
-    train: list[LengthExample] = []
-    val: list[LengthExample] = []
+    train: list[_Example] = []
+    val: list[_Example] = []
     for example in examples:
         target = val if is_validation_conversation(example.conversation_id, val_fraction) else train
         target.append(example)

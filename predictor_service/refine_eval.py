@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dispatcher.lengths import LengthBelief
-from predictor_service.dataset import file_sha256
+from predictor_service.dataset import file_sha256, split_examples
 from predictor_service.metrics import kendall_tau
 from predictor_service.models.base import LengthPrediction
 from predictor_service.models.refine import RefineInput, RefineModel
@@ -35,7 +35,6 @@ from predictor_service.refine_training import (
     load_answer_examples,
     load_first_guess_model,
     refine_inputs,
-    split_answers,
 )
 
 STAGE_FRACTIONS = (0.0, 0.25, 0.5, 0.75)
@@ -168,7 +167,7 @@ def evaluate_refine_file(
     figures = model.training_figures
     tokenizer = AnswerTokenizer()
     examples = load_answer_examples(data_path, tokenizer, max_examples)
-    train, val = split_answers(examples, figures.get("val_fraction", val_fraction))
+    train, val = split_examples(examples, figures.get("val_fraction", val_fraction))
     same_data = figures.get("data_sha256") == data_sha256
     scored = val if same_data else examples
     constants = figures.get("stage_constant_remaining_tokens") or stage_constants(

@@ -22,16 +22,14 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import structlog
 
-from blockq.sharegpt import iter_pairs
 from blockq.tokenizer import MISTRAL_V1_NAME, mistral_v1_model_path
-from predictor_service.dataset import DEFAULT_VAL_FRACTION, file_sha256, is_validation_conversation
+from predictor_service.dataset import file_sha256, iter_distinct_pairs, split_examples
 from predictor_service.manifest import read_manifest
 from predictor_service.models.base import LengthPredictor, PredictionInput
 from predictor_service.models.fast import FastConfig, FastLengthModel
@@ -40,6 +38,7 @@ from predictor_service.models.refine import RefineInput, RefineModel
 from predictor_service.models.refine_features import all_features, tail_text
 from predictor_service.models.refine_fit import RefineFitConfig, train_refine
 from predictor_service.text_score import TextScoreConfig
+from predictor_service.training import predict_in_batches
 
 logger = structlog.get_logger(__name__)
 
@@ -83,7 +82,7 @@ class AnswerExample:
         """The answer's length as :func:`~predictor_service.dataset.load_examples` counts it."""
         return max(1, len(self.answer_ids))
 
-    def to_prediction_input(self) -> PredictionInput:
+    def to_input(self) -> PredictionInput:
         """The first guess's input (unbounded ``max_tokens``, as ``predictor eval``)."""
         return PredictionInput(self.prompt, self.prompt_tokens, max_tokens=1_000_000_000)
 
@@ -92,18 +91,8 @@ def load_answer_examples(
     data_path: str | os.PathLike[str], tokenizer: AnswerTokenizer, max_examples: int | None = None
 ) -> list[AnswerExample]:
     """First-turn examples of a ShareGPT file, read and deduplicated as ``load_examples``."""
-    path = Path(data_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"ShareGPT data file not found: {path}")
-    seen_prompts: set[str] = set()
-    pairs: list[tuple[str, str, str]] = []
-    for pair in iter_pairs(path, first_turn_only=True):
-        if not pair.prompt.strip() or not pair.answer.strip() or pair.prompt in seen_prompts:
-            continue
-        seen_prompts.add(pair.prompt)
-        pairs.append((pair.conversation_id, pair.prompt, pair.answer))
-        if max_examples is not None and len(pairs) >= max_examples:
-            break
+    pairs = [(conversation_id, prompt, answer) for conversation_id, prompt, answer, _ in
+             iter_distinct_pairs(data_path, first_turn_only=True, max_examples=max_examples)]
     prompt_ids = tokenizer.encode([prompt for _, prompt, _ in pairs])
     answer_ids = tokenizer.encode([answer for _, _, answer in pairs])
     examples = [
@@ -112,20 +101,8 @@ def load_answer_examples(
             pairs, prompt_ids, answer_ids, strict=True
         )
     ]
-    logger.info("refine_examples_loaded", path=str(path), num_examples=len(examples))
+    logger.info("refine_examples_loaded", path=str(data_path), num_examples=len(examples))
     return examples
-
-
-def split_answers(
-    examples: Sequence[AnswerExample], val_fraction: float = DEFAULT_VAL_FRACTION
-) -> tuple[list[AnswerExample], list[AnswerExample]]:
-    """(train, val) by :func:`~predictor_service.dataset.is_validation_conversation`."""
-    train: list[AnswerExample] = []
-    val: list[AnswerExample] = []
-    for example in examples:
-        held_out = is_validation_conversation(example.conversation_id, val_fraction)
-        (val if held_out else train).append(example)
-    return train, val
 
 
 @dataclass(frozen=True)
@@ -147,10 +124,7 @@ class FirstGuess:
 
 def first_guess_of(predictor: LengthPredictor, examples: Sequence[AnswerExample]) -> FirstGuess:
     """The predictor's quantiles for ``examples``."""
-    inputs = [example.to_prediction_input() for example in examples]
-    predictions = []
-    for start in range(0, len(inputs), _FIRST_GUESS_BATCH_SIZE):
-        predictions.extend(predictor.predict(inputs[start : start + _FIRST_GUESS_BATCH_SIZE]))
+    predictions, _ = predict_in_batches(predictor, examples, _FIRST_GUESS_BATCH_SIZE)
     return FirstGuess(
         np.array([p.p10_tokens for p in predictions], dtype=np.int64),
         np.array([p.predicted_output_tokens for p in predictions], dtype=np.int64),
@@ -304,7 +278,7 @@ def train_refine_file(
     data_sha256 = file_sha256(data_path)
     first_guess_model, val_fraction = load_first_guess_model(first_guess_dir, data_sha256)
     tokenizer = AnswerTokenizer()
-    train, val = split_answers(
+    train, val = split_examples(
         load_answer_examples(data_path, tokenizer, settings.max_examples), val_fraction
     )
     if len(train) < 2 * settings.num_first_guess_folds:

@@ -186,11 +186,14 @@ def train(
     if backend != "auto":
         return _train_one(run, backend, directory, backend_options)[1]
     members: dict[str, LengthPredictor] = {}
+    member_predictions: dict[str, list[LengthPrediction]] = {}
     seconds = 0.0
     for name in AUTO_MEMBERS:
-        members[name], manifest = _train_one(run, name, directory / name, backend_options)
+        members[name], manifest, member_predictions[name] = _train_one(
+            run, name, directory / name, backend_options
+        )
         seconds += manifest.training_seconds
-    return _write_ensemble(run, members, directory, seconds)
+    return _write_ensemble(run, members, member_predictions, directory, seconds)
 
 
 @dataclass(frozen=True)
@@ -205,24 +208,33 @@ class _TrainingRun:
 
 def _train_one(
     run: _TrainingRun, backend: str, directory: Path, backend_options: dict[str, Any]
-) -> tuple[LengthPredictor, Manifest]:
+) -> tuple[LengthPredictor, Manifest, list[LengthPrediction]]:
+    """Fit, save and score one backend; its validation predictions come back too."""
     directory.mkdir(parents=True, exist_ok=True)
     started_at_s = time.perf_counter()
     model, extra = _fit_backend(backend, run.split.train, directory, run.seed, backend_options)
     training_seconds = time.perf_counter() - started_at_s
-    return model, _write_trained(run, backend, model, extra, directory, training_seconds)
+    predictions, _ = predict_in_batches(model, run.split.val, _PREDICT_BATCH_SIZE)
+    manifest = _write_trained(run, backend, model, predictions, extra, directory, training_seconds)
+    return model, manifest, predictions
 
 
 def _write_ensemble(
-    run: _TrainingRun, members: dict[str, LengthPredictor], directory: Path, training_seconds: float
+    run: _TrainingRun,
+    members: dict[str, LengthPredictor],
+    member_predictions: dict[str, list[LengthPrediction]],
+    directory: Path,
+    training_seconds: float,
 ) -> Manifest:
-    """The blend of ``fast`` and ``transformer`` with the validation's best weight."""
+    """The blend of ``fast`` and ``transformer`` with the validation's best weight
+    (chosen on the members' validation predictions; the blend is then scored as it
+    predicts)."""
     from predictor_service.models.ensemble import EnsembleLengthModel, choose_weight
 
     split = run.split
-    fast, _ = predict_in_batches(members["fast"], split.val, _PREDICT_BATCH_SIZE)
-    transformer, _ = predict_in_batches(members["transformer"], split.val, _PREDICT_BATCH_SIZE)
-    weight, errors = choose_weight(fast, transformer, output_tokens_array(split.val))
+    weight, errors = choose_weight(
+        member_predictions["fast"], member_predictions["transformer"], output_tokens_array(split.val)
+    )
     model = EnsembleLengthModel(
         members,
         {"fast": round(1 - weight, 1), "transformer": weight},
@@ -230,22 +242,24 @@ def _write_ensemble(
     )
     extra = model.manifest_extra()
     extra["val_mae_by_transformer_weight"] = {str(w): round(e, 3) for w, e in errors.items()}
-    return _write_trained(run, "ensemble", model, extra, directory, training_seconds)
+    predictions, _ = predict_in_batches(model, split.val, _PREDICT_BATCH_SIZE)
+    return _write_trained(run, "ensemble", model, predictions, extra, directory, training_seconds)
 
 
 def _write_trained(
     run: _TrainingRun,
     backend: str,
     model: LengthPredictor,
+    predictions: Sequence[LengthPrediction],
     extra: dict[str, Any],
     directory: Path,
     training_seconds: float,
 ) -> Manifest:
-    """Score ``model`` on the validation split and write its manifest into ``directory``."""
+    """Score ``predictions`` (``model``'s on the validation split) and write the manifest
+    into ``directory``."""
     split, settings, counter = run.split, run.settings, run.counter
     train_targets = output_tokens_array(split.train)
     baseline_tokens = float(np.median(train_targets))
-    predictions, _ = predict_in_batches(model, split.val, _PREDICT_BATCH_SIZE)
     metrics = score_predictions(predictions, split.val, baseline_tokens)
     edges, fractions = prompt_token_bins([example.prompt_tokens for example in split.train])
     manifest = Manifest(

@@ -34,15 +34,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from scipy.special import ndtr, ndtri
 
+from dispatcher.lengths import LengthBelief, conditional_quantile_tokens
 from predictor_service.features import FEATURE_NAMES as PROMPT_FEATURE_NAMES
 from predictor_service.features import extract_features
 from predictor_service.text_score import TextScoreModel
 
 TAIL_CHARS = 300
 HEAD_CHARS = 300
-_Z90 = 1.2815515655446004  # Φ⁻¹(0.9), as dispatcher.lengths reads the p10-p90 spread
 
 
 @dataclass(frozen=True)
@@ -133,16 +132,17 @@ def tail_text(partial_text: str) -> str:
 
 
 def _first_guess_features(one: RefineInput) -> list[float]:
-    """ln quantiles and the lognormal conditional median (as :mod:`dispatcher.lengths`)."""
+    """ln quantiles, and what the dispatcher simulates with: the belief's conditional
+    median of the remaining tokens (:mod:`dispatcher.lengths`) and how far ``g`` is
+    through it (z-score; -8 before the first token)."""
     p10 = max(1, min(one.first_guess_p10_tokens, one.first_guess_p50_tokens))
     p50 = max(1, one.first_guess_p50_tokens)
     p90 = max(p50, one.first_guess_p90_tokens, p10 + 1)
-    mu = math.log(p50)
-    sigma = max(0.05, math.log(p90 / p10) / (2 * _Z90))
+    sigma = LengthBelief(p50, p10, p90).sigma
     generated = one.generated_tokens
+    mu = math.log(p50)
     z = (math.log(generated) - mu) / sigma if generated > 0 else -8.0
-    level = min(1 - 1e-12, float(ndtr(z)) + 0.5 * (1 - float(ndtr(z))))
-    conditional_total = math.exp(mu + sigma * float(ndtri(level)))
+    conditional_total = conditional_quantile_tokens(p50, sigma, generated, 0.5)
     return [
         math.log(p10),
         mu,
