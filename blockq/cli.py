@@ -66,7 +66,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from blockq.status import collect_status
+    from blockq.status import add_cluster_urls, collect_status
     from blockq.streams import connect
 
     settings = settings_from_args(args)
@@ -75,8 +75,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         status = collect_status(client, settings)
     finally:
         client.close()
-    state = ClusterState.read(settings.state_dir)
-    status["gateway_url"] = state.gateway_url if state else None
+    add_cluster_urls(status, ClusterState.read(settings.state_dir))
     if args.json:
         print_json(status)
         return 0
@@ -87,8 +86,19 @@ def cmd_status(args: argparse.Namespace) -> int:
                    f"{i['queue']:>7}{i['kv_used_blocks']:>5}/{i['kv_total_blocks'] or 0:<4}{i['lag_p99_ms']:>9.1f}")
     out.append("streams: " + "  ".join(f"{k}={v}" for k, v in status["streams"].items()))
     out.append("pending: " + "  ".join(f"{k}={v}" for k, v in status["pending"].items()))
+    if status["metrics_urls"]:
+        out.append("metrics: " + "  ".join(f"{k}={v}" for k, v in status["metrics_urls"].items()))
     sys.stdout.write("\n".join(out) + "\n")
     return 0
+
+
+def _add_top(sub: argparse._SubParsersAction) -> None:
+    from blockq import top
+
+    p = sub.add_parser("top", help="live view: instances, KV, queues, recent TTFT, predictor, dispatcher")
+    add_common_arguments(p)
+    top.add_arguments(p)
+    p.set_defaults(handler=top.run)
 
 
 # --- services -------------------------------------------------------------------------------
@@ -243,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_down(sub)
     _add_submit(sub)
     _add_status(sub)
+    _add_top(sub)
     _add_services(sub)
     _add_bench(sub)
     _add_bench_engine(sub)

@@ -18,9 +18,10 @@ from blockq.cluster_config import ClusterConfig
 from blockq.config import AUTOSCALERS, AutoscaleOptions, ConfigError, Settings, add_scaling_options
 from blockq.service import add_common_arguments, settings_from_args
 from blockq.state import ClusterState
+from workers.refinement import add_refine_arguments
 
 if TYPE_CHECKING:  # the supervisor is imported only by the command that runs one
-    from blockq.supervisor import WorkerScaling
+    from blockq.supervisor import ChildSpec, WorkerScaling
 
 
 def print_json(data: Any) -> None:
@@ -39,7 +40,6 @@ VLLM_UP_OPTIONS = (
 # `blockq up`'s autoscaling options: each sets the AutoscaleOptions field of its name.
 AUTOSCALE_UP_OPTIONS = (
     ("--scale-command", str, "shell command run by the dispatcher when the target changes, {n} = the size"),
-    ("--metrics-port", int, "the dispatcher serves Prometheus metrics on this port (127.0.0.1)"),
 )
 
 
@@ -62,9 +62,14 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                    help="vLLM without graph capture or compilation (a fast start-up)")
     p.add_argument("--predictor", dest="predictor_backend", default=None, help="predictor backend (default heuristic)")
     p.add_argument("--predictor-model", default=None, help="trained predictor directory")
+    add_refine_arguments(p, defaults=False)
     p.add_argument("--gateway", action="store_true", default=None, help="also start the HTTP gateway")
     p.add_argument("--gateway-port", type=int, default=None)
     p.add_argument("--batch-worker", action="store_true", default=None, help="also start the batch (rq) worker")
+    p.add_argument("--metrics-base-port", type=int, default=None,
+                   help="Prometheus metrics: the dispatcher on this port, the predictor on the next, worker "
+                        "process K on PORT+2+K (default 9400; 0: none); the gateway serves them on its own port")
+    p.add_argument("--metrics-host", default=None, help="address the metrics servers bind (default 127.0.0.1)")
     p.add_argument("--redis-maxmemory", default=None,
                    help="memory limit of the embedded Redis, e.g. 1gb (default), 512mb; writes fail when full")
     p.add_argument("--seed", type=int, default=None)
@@ -93,6 +98,8 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         predictor_backend=args.predictor_backend, predictor_model=args.predictor_model,
         gateway=args.gateway, gateway_port=args.gateway_port, batch_worker=args.batch_worker, seed=args.seed,
         redis_maxmemory=args.redis_maxmemory, engine=args.engine, model=args.model,
+        metrics_base_port=args.metrics_base_port, metrics_host=args.metrics_host,
+        refine_model=args.refine_model, refine_every_tokens=args.refine_every_tokens,
         **{name: value for name, value in vars(args).items() if name.startswith("vllm_")})
 
 
@@ -112,18 +119,25 @@ def _autoscale_options(args: argparse.Namespace, base: AutoscaleOptions | None) 
 
 def _scaling(config: ClusterConfig, settings: Settings) -> WorkerScaling | None:
     """What the supervisor follows under autoscale (None without it)."""
-    from blockq.supervisor import ChildSpec, WorkerScaling
+    from blockq.supervisor import WorkerScaling
 
     if config.autoscale is None:
         return None
-    return WorkerScaling(worker_spec=lambda index: ChildSpec(*config.worker_child(index, index, 1)),
+    return WorkerScaling(worker_spec=lambda index: child_spec(config, *config.worker_child(index, index, 1)),
                          instance_id=config.instance_id, initial=config.instances,
                          min_instances=config.autoscale.min_instances, max_instances=config.autoscale.max_instances,
                          desired_key=settings.keys.autoscaler_desired, drain_key=settings.keys.autoscaler_drain)
 
 
+def child_spec(config: ClusterConfig, name: str, argv: tuple[str, ...]) -> ChildSpec:
+    """The supervisor's spec of child ``name``, with where it serves its metrics."""
+    from blockq.supervisor import ChildSpec
+
+    return ChildSpec(name, argv, metrics_url=config.metrics_url(name))
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    from blockq.supervisor import ChildSpec, Supervisor
+    from blockq.supervisor import Supervisor
 
     settings = settings_from_args(args, require_redis=False)
     config = _cluster_config(args)
@@ -137,7 +151,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     configure_logging(settings.log_level, "supervisor")
     scaling = _scaling(config, settings)
-    specs = [ChildSpec(name, argv) for name, argv in config.child_argvs(workers=scaling is None)]
+    specs = [child_spec(config, name, argv) for name, argv in config.child_argvs(workers=scaling is None)]
     gateway_url = f"http://{config.gateway_host}:{config.gateway_port}" if config.gateway else None
     return Supervisor(settings.state_dir, specs, redis_url=settings.redis_url, num_instances=config.instances,
                       gateway_url=gateway_url, redis_maxmemory=config.redis_maxmemory, scaling=scaling).run()
@@ -181,7 +195,7 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfi
 
 
 def wait_until_ready(args: argparse.Namespace, state_dir: Path, num_instances: int, timeout_s: float) -> dict[str, Any]:
-    from blockq.status import collect_status
+    from blockq.status import add_cluster_urls, collect_status
     from blockq.streams import connect
 
     deadline = time.monotonic() + timeout_s
@@ -195,7 +209,7 @@ def wait_until_ready(args: argparse.Namespace, state_dir: Path, num_instances: i
             finally:
                 client.close()
             if status["num_live_instances"] >= num_instances and status["dispatcher_leader"]:
-                status["gateway_url"] = state.gateway_url
+                add_cluster_urls(status, state)
                 return status
         time.sleep(0.1)
     raise SystemExit(f"blockq up: cluster not ready within {timeout_s:.0f} s; see {state_dir / 'logs'}")

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
 from blockq.config import ConfigError, Settings
 from blockq.keys import PAYLOAD_FIELD
 from blockq.protocol import Chunk, FinalRecord, Placement, Request, decode_reply_entry, encode
+from blockq.streams import connect, connect_async
 
 # A reader outlives a Redis restart: it retries its read (from the last entry it saw)
 # after this pause, until its timeout.
@@ -45,7 +45,8 @@ RECONNECT_PAUSE_S = 0.2
 # Returns the entry ids, or {-1, backlog} when the new requests would pass the limit.
 # One script so that concurrent clients cannot all pass the check and then all add.
 # It reads keys it is not passed (the instance queues, named by the instances hash):
-# fine on standalone Redis; on Redis Cluster they would have to share one slot.
+# Redis Cluster allows that only within the script's slot, which the key prefix's hash
+# tag puts every blockq key in (blockq.keys).
 _ADMIT_SCRIPT = """
 local num_requests = #KEYS - 3
 local ids = {}
@@ -117,6 +118,7 @@ class SubmitSpec:
     num_turns: int = 1
     true_output_tokens: int | None = None
     trace_predicted_output_tokens: int | None = None
+    trace_output_text: str | None = None
 
 
 def build_request(spec: SubmitSpec, settings: Settings) -> Request:
@@ -131,6 +133,7 @@ def build_request(spec: SubmitSpec, settings: Settings) -> Request:
         best_effort=spec.best_effort, ignore_eos=spec.ignore_eos, min_tokens=spec.min_tokens, tenant=spec.tenant,
         num_turns=spec.num_turns, true_output_tokens=spec.true_output_tokens,
         trace_predicted_output_tokens=spec.trace_predicted_output_tokens,
+        trace_output_text=spec.trace_output_text,
     )
     # Round-trip through the validator so a client never enqueues what a stage would reject.
     return Request.from_map(request.to_map(), settings.limits)
@@ -321,7 +324,7 @@ class Client:
         url = redis_url or self.settings.redis_url
         if not url:
             raise ConfigError("redis_url: not set (pass redis_url= or set BLOCKQ_REDIS_URL)")
-        self.redis = redis.Redis.from_url(url)
+        self.redis = connect(url)
         self._admit = self.redis.register_script(_ADMIT_SCRIPT)
 
     def submit(self, prompt: str | list[int] | tuple[int, ...], **options: Any) -> Handle:
@@ -412,9 +415,9 @@ class AsyncClient:
         if not url:
             raise ConfigError("redis_url: not set (pass redis_url= or set BLOCKQ_REDIS_URL)")
         # Each streaming handle holds a connection while it blocks on XREAD (at most 1 s):
-        # past `max_connections` handles wait for a free connection instead of failing.
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=None)
-        self.redis = aioredis.Redis(connection_pool=pool)
+        # past `max_connections` handles wait for a free connection instead of failing
+        # (on Redis Cluster: fail, as its client cannot wait; the cap is per node there).
+        self.redis = connect_async(url, max_connections=max_connections, wait_for_connection=True)
         self._admit = self.redis.register_script(_ADMIT_SCRIPT)
 
     async def submit(self, prompt: str | list[int] | tuple[int, ...], **options: Any) -> AsyncHandle:

@@ -31,6 +31,17 @@ follows it: every instance is then its own worker process, and ``instances`` (de
     scaler = "predictive"
     min_instances = 1
     max_instances = 8
+
+Every process serves Prometheus metrics (``deploy/METRICS.md``): the dispatcher on
+``metrics_base_port`` (default 9400), the predictor on the next port, worker process
+``workers-K`` on ``metrics_base_port + 2 + K``, all bound to ``metrics_host`` (default
+127.0.0.1); the gateway on its own HTTP port. ``metrics_base_port = 0`` turns them off.
+The state file records each URL (``blockq status --json``: ``metrics_urls``).
+
+With ``refine_model`` (a ``blockq predictor refine-train`` directory) the predictor also
+serves its HTTP API on ``predictor_http_port`` (default 8100) with ``POST /refine``, and
+every worker asks it for remaining-length refinements of its running requests every
+``refine_every_tokens`` (64) generated tokens; the beats then carry them to the dispatcher.
 """
 
 from __future__ import annotations
@@ -41,10 +52,16 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from blockq.config import AutoscaleOptions, ConfigError
+from blockq.config import METRICS_OFF, AutoscaleOptions, ConfigError
 from blockq.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
+from workers.refinement import DEFAULT_REFINE_EVERY_TOKENS
 
 ENGINES = ("emulated", "vllm")
+DEFAULT_METRICS_BASE_PORT = 9400
+# Port offsets from metrics_base_port: the services first, then one per worker process.
+METRICS_PORT_OFFSETS = {"dispatcher": 0, "predictor": 1}
+WORKER_METRICS_PORT_OFFSET = 2
+WORKER_CHILD_PREFIX = "workers-"
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,11 @@ class ClusterConfig:
     vllm_max_num_seqs: int | None = None
     vllm_enforce_eager: bool = False
     autoscale: AutoscaleOptions | None = None
+    metrics_base_port: int = DEFAULT_METRICS_BASE_PORT
+    metrics_host: str = "127.0.0.1"
+    refine_model: str | None = None
+    predictor_http_port: int = 8100
+    refine_every_tokens: int = DEFAULT_REFINE_EVERY_TOKENS
 
     def __post_init__(self) -> None:
         if not 1 <= self.instances <= 1024:
@@ -89,6 +111,8 @@ class ClusterConfig:
             raise ConfigError(f"gateway_port: must be a TCP port (got {self.gateway_port})")
         check_maxmemory(self.redis_maxmemory)
         self._check_engine()
+        self._check_metrics_ports()
+        self._check_refinement()
         bounds = self.autoscale
         if bounds is not None and not bounds.min_instances <= self.instances <= bounds.max_instances:
             raise ConfigError(f"instances: must be between min_instances ({bounds.min_instances}) and "
@@ -107,6 +131,66 @@ class ClusterConfig:
         if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, int | float)
                                         or not 0 < utilization <= 1):
             raise ConfigError(f"vllm_gpu_memory_utilization: must be in (0, 1] (got {utilization!r})")
+
+    def _check_metrics_ports(self) -> None:
+        base = self.metrics_base_port
+        if isinstance(base, bool) or not isinstance(base, int) or base < 0:
+            raise ConfigError(f"metrics_base_port: must be a TCP port, or 0 for no metrics (got {base!r})")
+        if base == 0:
+            return
+        max_workers = self.autoscale.max_instances if self.autoscale is not None else self.num_worker_processes
+        last = base + WORKER_METRICS_PORT_OFFSET + max_workers - 1
+        if last > 65535:
+            raise ConfigError(f"metrics_base_port: {base} leaves no room for {max_workers} worker processes "
+                              f"(their ports would reach {last})")
+        if self.gateway and base <= self.gateway_port <= last:
+            raise ConfigError(f"metrics_base_port: the metrics ports {base}-{last} include gateway_port "
+                              f"{self.gateway_port}")
+        if not self.metrics_host or any(c.isspace() for c in self.metrics_host):
+            raise ConfigError(f"metrics_host: must be a host name or address (got {self.metrics_host!r})")
+
+    def _check_refinement(self) -> None:
+        if self.refine_every_tokens < 1:
+            raise ConfigError(f"refine_every_tokens: must be >= 1 (got {self.refine_every_tokens})")
+        port = self.predictor_http_port
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"predictor_http_port: must be a TCP port (got {port})")
+        if self.refine_model is None:
+            return
+        base = self.metrics_base_port
+        if (self.gateway and port == self.gateway_port) or (base and base <= port <= base + 2 + self.num_worker_processes):
+            raise ConfigError(f"predictor_http_port: {port} is taken by the gateway or a metrics port")
+
+    @property
+    def refine_url(self) -> str | None:
+        """Where workers ask for refinements (None: no refinement model)."""
+        return f"http://127.0.0.1:{self.predictor_http_port}" if self.refine_model else None
+
+    def metrics_port(self, child_name: str) -> int | None:
+        """The port child ``child_name`` serves ``/metrics`` on; None when metrics are off
+        or the child has no port of its own (the gateway serves them on its HTTP port, the
+        batch worker has none)."""
+        if not self.metrics_base_port:
+            return None
+        if child_name in METRICS_PORT_OFFSETS:
+            return self.metrics_base_port + METRICS_PORT_OFFSETS[child_name]
+        index = child_name.removeprefix(WORKER_CHILD_PREFIX)
+        if child_name.startswith(WORKER_CHILD_PREFIX) and index.isdigit():
+            return self.metrics_base_port + WORKER_METRICS_PORT_OFFSET + int(index)
+        return None
+
+    def metrics_url(self, child_name: str) -> str | None:
+        """Where child ``child_name``'s metrics are scraped (None: it serves none)."""
+        if child_name == "gateway":
+            return f"http://{_url_host(self.gateway_host)}:{self.gateway_port}/metrics" if self.gateway else None
+        port = self.metrics_port(child_name)
+        return f"http://{_url_host(self.metrics_host)}:{port}/metrics" if port is not None else None
+
+    def _metrics_argv(self, child_name: str) -> list[str]:
+        # "off" rather than no flag: a BLOCKQ_METRICS_PORT in the supervisor's environment
+        # must not hand every child the same port.
+        port = self.metrics_port(child_name)
+        return ["--metrics-port", str(port) if port is not None else METRICS_OFF, "--metrics-host", self.metrics_host]
 
     @property
     def instances_per_worker_process(self) -> int:
@@ -158,11 +242,13 @@ class ClusterConfig:
         predictor = ["predictor_service", "--backend", self.predictor_backend]
         if self.predictor_model:
             predictor += ["--model-dir", self.predictor_model]
-        children.append(("predictor", tuple(predictor)))
+        if self.refine_model:
+            predictor += ["--http-port", str(self.predictor_http_port), "--refine-model", self.refine_model]
+        children.append(("predictor", (*predictor, *self._metrics_argv("predictor"))))
         dispatcher = ["dispatcher", "--policy", self.policy, "--seed", str(self.seed)]
         if self.objective:
             dispatcher += ["--objective", self.objective]
-        children.append(("dispatcher", (*dispatcher, *self._autoscale_argv())))
+        children.append(("dispatcher", (*dispatcher, *self._autoscale_argv(), *self._metrics_argv("dispatcher"))))
         per_process = self.instances_per_worker_process
         for process_index in range(self.num_worker_processes if workers else 0):
             first = process_index * per_process
@@ -179,9 +265,16 @@ class ClusterConfig:
     def worker_child(self, process_index: int, first_index: int, count: int) -> tuple[str, tuple[str, ...]]:
         """(name, argv) of the worker process ``workers-{process_index}`` serving
         instances ``first_index`` .. ``first_index + count - 1``."""
-        return (f"workers-{process_index}", (
+        name = f"{WORKER_CHILD_PREFIX}{process_index}"
+        return (name, (
             "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
-            "--first-index", str(first_index), *self._engine_argv(), "--seed", str(self.seed)))
+            "--first-index", str(first_index), *self._engine_argv(), "--seed", str(self.seed),
+            *self._refine_argv(), *self._metrics_argv(name)))
+
+    def _refine_argv(self) -> list[str]:
+        if self.refine_url is None:
+            return []
+        return ["--refine-url", self.refine_url, "--refine-every-tokens", str(self.refine_every_tokens)]
 
     def instance_id(self, index: int) -> str:
         """The id of instance ``index`` (as ``python -m workers --instances`` names it)."""
@@ -200,8 +293,6 @@ class ClusterConfig:
                 "--scale-command-timeout-s", str(options.scale_command_timeout_s)]
         if options.scale_command:
             argv.append(f"--scale-command={options.scale_command}")  # one argument, even if it starts with -
-        if options.metrics_port is not None:
-            argv += ["--metrics-port", str(options.metrics_port), "--metrics-host", options.metrics_host]
         return argv
 
     def _engine_argv(self) -> list[str]:
@@ -216,3 +307,12 @@ class ClusterConfig:
             if value is not None:
                 argv += [option, str(value)]
         return argv + (["--enforce-eager"] if self.vllm_enforce_eager else [])
+
+
+def _url_host(host: str) -> str:
+    """``host`` as a URL names it: a wildcard bind is reached on loopback, IPv6 in brackets."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host

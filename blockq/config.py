@@ -4,8 +4,15 @@ and, for ``blockq up``, a TOML file. Validated at start-up; never mutated.
 Environment variables (all optional):
 
 =============================  ==========================================================
-``BLOCKQ_REDIS_URL``           ``redis://`` or ``rediss://`` URL (user, password allowed)
-``BLOCKQ_KEY_PREFIX``          key prefix, default ``bq:``
+``BLOCKQ_REDIS_URL``           where Redis is (user, password allowed; forms in
+                               :mod:`blockq.redis_url`): one server, ``redis://[:pw@]host:6379/0``
+                               (``rediss://``, ``unix://``); through Sentinel,
+                               ``redis+sentinel://[:pw@]s1:26379,s2:26379/<service_name>[/db]``
+                               (``rediss+sentinel://``; ``?sentinel_password=`` when the
+                               Sentinels have their own); a Redis Cluster,
+                               ``redis+cluster://[:pw@]node1:6379,node2:6379`` (``rediss+cluster://``)
+``BLOCKQ_KEY_PREFIX``          key prefix, default ``bq:``; on Redis Cluster it must hold a
+                               hash tag, e.g. ``{bq}:`` (every key in one slot: :mod:`blockq.keys`)
 ``BLOCKQ_MAX_BACKLOG``         requests accepted and not finished (entries in ``req``, ``ready``
                                and every instance queue) past which submit raises Overloaded
 ``BLOCKQ_MAX_DELIVERIES``      an entry delivered more often than this is dead-lettered
@@ -19,6 +26,11 @@ Environment variables (all optional):
 ``BLOCKQ_LOG_LEVEL``           debug | info | warning | error
 ``BLOCKQ_MAX_MESSAGE_BYTES``   protocol limit (likewise ``BLOCKQ_MAX_PROMPT_CHARS``,
                                ``BLOCKQ_MAX_PROMPT_TOKEN_IDS``, ``BLOCKQ_MAX_MAX_TOKENS``)
+``BLOCKQ_METRICS_PORT``        default of ``--metrics-port`` for the processes that run one
+                               service (worker, dispatcher, predictor serve): the port of
+                               their Prometheus ``/metrics`` (0: any free port; ``off``:
+                               none); unset: none unless the flag gives one. ``blockq up``
+                               passes every child its own port (``metrics_base_port``)
 =============================  ==========================================================
 """
 
@@ -29,10 +41,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
-from blockq.keys import DEFAULT_PREFIX, Keys
+from blockq.keys import DEFAULT_PREFIX, Keys, hash_tag
 from blockq.protocol import MAX_SLO_TTFT_MS, ProtocolLimits
+from blockq.redis_url import RedisUrlError, parse_redis_url
 
 ENV_PREFIX = "BLOCKQ_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -42,13 +54,18 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the setting."""
 
 
-def validate_redis_url(url: str) -> str:
-    """Check a Redis URL's scheme and host; returns it unchanged."""
-    parsed = urlparse(url)
-    if parsed.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"redis_url: scheme must be redis://, rediss:// or unix:// (got {url!r})")
-    if parsed.scheme != "unix" and not parsed.hostname:
-        raise ConfigError(f"redis_url: missing host in {url!r}")
+def validate_redis_url(url: str, key_prefix: str | None = None) -> str:
+    """Check a Redis URL, in any form of :mod:`blockq.redis_url` (one server, Sentinel,
+    Cluster); returns it unchanged. On Redis Cluster, ``key_prefix`` (when given) must
+    hold a hash tag, so that every blockq key shares one slot (:mod:`blockq.keys`)."""
+    try:
+        target = parse_redis_url(url)
+    except RedisUrlError as exc:
+        raise ConfigError(f"redis_url: {exc}") from None
+    if target.is_cluster and key_prefix is not None and hash_tag(key_prefix) is None:
+        raise ConfigError(f"key_prefix: on Redis Cluster it must hold a hash tag, such as "
+                          f"{{{key_prefix.rstrip(':') or 'bq'}}}: (BLOCKQ_KEY_PREFIX), so that the keys one "
+                          f"script or transaction touches share a slot (got {key_prefix!r})")
     return url
 
 
@@ -73,7 +90,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.redis_url is not None:
-            validate_redis_url(self.redis_url)
+            validate_redis_url(self.redis_url, self.key_prefix)
         for name in ("max_ingress_backlog", "reply_ttl_s", "reply_read_ttl_s", "claim_idle_ms",
                      "max_deliveries", "heartbeat_interval_ms"):
             if getattr(self, name) < 1:
@@ -167,8 +184,8 @@ class AutoscaleOptions:
     (checked here the same way, so that ``blockq up`` needs no dispatcher import to
     validate them); ``startup_s``: how long a new instance takes to serve, ``cycle_s``:
     between decisions. ``scale_command``: a shell command run when the target changes,
-    ``{n}`` replaced by the target size. ``metrics_port``: serve Prometheus metrics there
-    (None: none)."""
+    ``{n}`` replaced by the target size. The autoscaler's metrics are served with the
+    dispatcher's (:class:`MetricsEndpoint`)."""
 
     scaler: str = "predictive"
     min_instances: int = 1
@@ -180,8 +197,6 @@ class AutoscaleOptions:
     cycle_s: float = 60.0
     scale_command: str | None = None
     scale_command_timeout_s: float = 60.0
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.scaler not in AUTOSCALERS:
@@ -205,5 +220,38 @@ class AutoscaleOptions:
             raise ConfigError("scale_command: must not be empty")
         if self.scale_command_timeout_s <= 0:
             raise ConfigError(f"scale_command_timeout_s: must be > 0 (got {self.scale_command_timeout_s})")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port: must be a TCP port (got {self.metrics_port})")
+
+
+METRICS_PORT_ENV = ENV_PREFIX + "METRICS_PORT"
+METRICS_OFF = "off"
+
+
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    """Where a service serves Prometheus ``GET /metrics``: ``port`` 0 is any free port
+    (the server reports the one it bound), ``host`` the address bound (``0.0.0.0`` in a pod)."""
+
+    port: int
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics_port: must be a TCP port in 0-65535 (got {self.port!r})")
+        if not self.host or any(c.isspace() for c in self.host):
+            raise ConfigError(f"metrics_host: must be a host name or address (got {self.host!r})")
+
+
+def metrics_endpoint(port: str | None, host: str = "127.0.0.1",
+                     env: Mapping[str, str] | None = None) -> MetricsEndpoint | None:
+    """The endpoint a ``--metrics-port`` value names (None: not given, then
+    ``BLOCKQ_METRICS_PORT``); None when metrics are off (neither set, or ``off``).
+    ConfigError names ``metrics_port`` or ``metrics_host``."""
+    env = os.environ if env is None else env
+    raw = port if port is not None else env.get(METRICS_PORT_ENV) or None
+    if raw is None or raw.strip().lower() == METRICS_OFF:
+        return None
+    try:
+        number = int(raw)
+    except ValueError:
+        raise ConfigError(f"metrics_port: must be a TCP port or '{METRICS_OFF}' (got {raw!r})") from None
+    return MetricsEndpoint(number, host)

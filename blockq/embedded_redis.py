@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,7 @@ class EmbeddedRedis:
     data_dir: Path
     password: str
     maxmemory: str = DEFAULT_MAXMEMORY
+    extra_config: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -85,10 +87,10 @@ class EmbeddedRedis:
         return self.process.poll() is None
 
     def restart(self, timeout_s: float = 15.0) -> EmbeddedRedis:
-        """A new server on the same port, data directory (AOF) and password."""
+        """A new server on the same port, data directory (AOF), password and configuration."""
         self.stop()
         return start_embedded_redis(self.data_dir, port=self.port, timeout_s=timeout_s,
-                                    maxmemory=self.maxmemory)
+                                    maxmemory=self.maxmemory, extra_config=self.extra_config)
 
     @property
     def pid(self) -> int:
@@ -130,8 +132,11 @@ def check_maxmemory(maxmemory: str) -> str:
     return maxmemory
 
 
-def write_server_config(data_dir: Path, port: int, password: str, maxmemory: str) -> Path:
-    """Write ``redis.conf`` (0600: it holds the password) and return its path."""
+def write_server_config(data_dir: Path, port: int, password: str, maxmemory: str,
+                        extra_config: Sequence[str] = ()) -> Path:
+    """Write ``redis.conf`` (0600: it holds the password) and return its path.
+    ``extra_config``: more redis.conf lines, after blockq's (a replica's ``replicaof``
+    and ``masterauth``, a cluster node's ``cluster-enabled yes``)."""
     check_maxmemory(maxmemory)
     resolved = data_dir.resolve()
     lines = [
@@ -147,6 +152,7 @@ def write_server_config(data_dir: Path, port: int, password: str, maxmemory: str
         f"maxmemory {maxmemory}",
         "maxmemory-policy noeviction",
         f"logfile {_quoted(str(resolved / 'redis.log'))}",
+        *extra_config,
     ]
     path = data_dir / CONFIG_FILE
     write_private_text(path, "\n".join(lines) + "\n")
@@ -154,19 +160,22 @@ def write_server_config(data_dir: Path, port: int, password: str, maxmemory: str
 
 
 def start_embedded_redis(data_dir: Path, port: int | None = None, timeout_s: float = 15.0,
-                         maxmemory: str = DEFAULT_MAXMEMORY) -> EmbeddedRedis:
+                         maxmemory: str = DEFAULT_MAXMEMORY, extra_config: Sequence[str] = ()) -> EmbeddedRedis:
     """Start redis-server with its data in ``data_dir`` and wait until it answers PING.
 
-    The password is the one already in ``data_dir`` (a restart keeps it), else a new one."""
+    The password is the one already in ``data_dir`` (a restart keeps it), else a new one;
+    servers that must share one (a primary and its replicas) are given the same file.
+    ``extra_config``: as :func:`write_server_config`."""
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     port = port or free_port()
     password = read_or_create_password(data_dir)
-    config_path = write_server_config(data_dir, port, password, maxmemory)
+    config_path = write_server_config(data_dir, port, password, maxmemory, extra_config)
     # Own session: a Ctrl-C on the terminal reaches the supervisor, which stops Redis last.
     # umask 0o077: the AOF and the log are readable by this user only.
     process = subprocess.Popen([find_redis_server(), str(config_path.resolve())], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True, umask=0o077)
-    server = EmbeddedRedis(process=process, port=port, data_dir=data_dir, password=password, maxmemory=maxmemory)
+    server = EmbeddedRedis(process=process, port=port, data_dir=data_dir, password=password, maxmemory=maxmemory,
+                           extra_config=tuple(extra_config))
     _wait_for_ping(server, timeout_s)
     log.info("embedded_redis_started", port=port, pid=process.pid, data_dir=str(data_dir))
     return server

@@ -1,9 +1,19 @@
 """Every Redis key, stream and consumer-group name blockq uses, in one place.
 
 Keys carry a configurable prefix (default ``bq:``) so that several clusters can share
-one Redis. Per-request and per-instance keys put the variable part in a hash tag
-(``{...}``) so that, on Redis Cluster, a request's reply stream and its cancel flag
-live in the same slot.
+one Redis. Per-request and per-instance keys put the variable part in braces
+(``out:{id}``, ``inst:{id}``).
+
+Redis Cluster: Redis hashes only the first ``{...}`` of a key name, so a prefix that
+itself holds a hash tag (``{bq}:``) puts every key of a cluster in one slot, whatever
+follows. That is the layout blockq needs there: the dispatcher's fenced placement is one
+MULTI/EXEC over the lease, ``ready``, instance queues, owner keys and reply streams; the
+final-record script writes a reply stream and ``done``; admission reads ``req``, ``ready``
+and every instance queue. Each such group would be CROSSSLOT under any per-key tag, so
+on a cluster the prefix must carry a tag (:func:`hash_tag`; checked by
+:func:`blockq.config.validate_redis_url`). The cost: one blockq cluster lives on one
+shard (the cluster gives it failover, not spread); to spread load, run several cells,
+each with its own tagged prefix (``{cell-a}:``, ``{cell-b}:``).
 """
 
 from __future__ import annotations
@@ -23,6 +33,19 @@ PAYLOAD_FIELD = "m"
 DECISION_FIELD = "decision"
 
 
+def hash_tag(key: str) -> str | None:
+    """The part of ``key`` Redis Cluster hashes when it is not the whole name: what lies
+    between the first ``{`` and the first ``}`` after it, when not empty; None otherwise
+    (then the whole key is hashed)."""
+    start = key.find("{")
+    if start < 0:
+        return None
+    end = key.find("}", start + 1)
+    if end <= start + 1:
+        return None
+    return key[start + 1:end]
+
+
 @dataclass(frozen=True)
 class Keys:
     """Key names for one cluster (one prefix)."""
@@ -34,6 +57,12 @@ class Keys:
             raise ValueError(
                 f"key_prefix: must be 1-64 characters without whitespace (got {self.prefix!r})"
             )
+
+    @property
+    def hash_tag(self) -> str | None:
+        """The hash tag every key of this prefix shares (None: the prefix has none, and
+        the keys spread over a cluster's slots)."""
+        return hash_tag(self.prefix)
 
     @property
     def requests(self) -> str:
@@ -123,10 +152,18 @@ class Keys:
 
 @dataclass(frozen=True)
 class BatchKeys:
-    """Batch jobs' keys. rq keeps its own (``rq:job:{id}``, ``rq:queue:{name}``); these sit
-    under the cluster prefix with the job id as hash tag, so a job's keys share a slot."""
+    """Batch jobs' keys. rq keeps its own (``rq:job:{id}``, ``rq:queue:{name}``, under
+    :attr:`rq_key_prefix` on Redis Cluster); these sit under the cluster prefix with the
+    job id in braces (the hash tag, unless the prefix carries one)."""
 
     prefix: str = DEFAULT_PREFIX
+
+    @property
+    def rq_key_prefix(self) -> str:
+        """rq's key namespace (its ``RQ_KEY_PREFIX``) on Redis Cluster: under the cluster
+        prefix, so with its hash tag (``{bq}:rq``). rq runs MULTI/EXEC over a job, its queue
+        and its registries; one tag for all of them keeps each in one slot."""
+        return f"{self.prefix}rq"
 
     @property
     def queue_name(self) -> str:

@@ -15,8 +15,8 @@ exactly-once:
   (``ALREADY_FINAL``), and so is any chunk after it.
 
 The keys of one request share its hash tag, so the chunk script stays in one slot; the
-final script also appends to the ``done`` stream, which on Redis Cluster would need that
-stream in the same slot (not done yet).
+final script also appends to the ``done`` stream, which on Redis Cluster shares their
+slot through the key prefix's hash tag (:mod:`blockq.keys`).
 """
 
 from __future__ import annotations

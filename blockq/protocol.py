@@ -115,6 +115,13 @@ def _optional_int(data: Mapping[str, Any], name: str, low: int = 0, high: int = 
     return value
 
 
+def _optional_text(data: Mapping[str, Any], name: str, max_chars: int) -> str | None:
+    value = _get(data, name, str, required=False)
+    if value is not None:
+        _check_text(name, value, max_chars)
+    return value
+
+
 # --- request envelope -------------------------------------------------------------------
 
 
@@ -178,7 +185,8 @@ class Request:
     predicted to start within it, or to finish by ``deadline_s``, is answered
     ``infeasible`` at once unless ``best_effort`` (then it is placed anyway). ``true_output_tokens`` is carried only by trace replays (the
     emulated engine ends the request there); ``trace_predicted_output_tokens`` is a
-    prediction shipped with a trace. ``ignore_eos`` and ``min_tokens`` are vLLM's sampling
+    prediction shipped with a trace; ``trace_output_text`` the recorded answer of a trace
+    with text (the emulated engine streams its tokens, so the partial output is real). ``ignore_eos`` and ``min_tokens`` are vLLM's sampling
     extensions: generate past EOS (to ``max_tokens``), and not stop (on EOS or a stop
     sequence) before ``min_tokens`` output tokens (at most ``max_tokens``).
     """
@@ -201,6 +209,7 @@ class Request:
     num_turns: int = 1
     true_output_tokens: int | None = None
     trace_predicted_output_tokens: int | None = None
+    trace_output_text: str | None = None
     prediction: Prediction | None = None
     assignment: Assignment | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
@@ -266,6 +275,7 @@ class Request:
             num_turns=_optional_int(data, "num_turns", 1, 10_000) or 1,
             true_output_tokens=_optional_int(data, "true_output_tokens", 1),
             trace_predicted_output_tokens=_optional_int(data, "trace_predicted_output_tokens", 0),
+            trace_output_text=_optional_text(data, "trace_output_text", limits.max_prompt_chars),
             prediction=Prediction.from_map(prediction) if prediction is not None else None,
             assignment=Assignment.from_map(assignment) if assignment is not None else None,
         )
@@ -516,7 +526,12 @@ MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
 
 class RequestProgress(NamedTuple):
     """One request as an engine reports it in a heartbeat (a named tuple: a worker builds
-    one per request per beat, so it must be cheap to build)."""
+    one per request per beat, so it must be cheap to build).
+
+    ``predicted_output_tokens`` / ``p90_tokens`` / ``p10_tokens`` are total output tokens:
+    the request's first guess, or, when ``refined_at_tokens`` is set, the refinement made
+    from its partial output after that many generated tokens (:mod:`workers.refinement`).
+    Beats of older workers carry the first six fields only."""
 
     request_id: str
     prompt_tokens: int
@@ -524,14 +539,18 @@ class RequestProgress(NamedTuple):
     num_generated_tokens: int
     predicted_output_tokens: int | None = None
     p90_tokens: int | None = None
+    p10_tokens: int | None = None
+    refined_at_tokens: int | None = None
 
     def to_list(self) -> list[Any]:
+        if self.refined_at_tokens is None and self.p10_tokens is None:
+            return list(self[:6])  # the common case stays as small as it was
         return list(self)
 
     @classmethod
     def from_list(cls, values: list[Any]) -> RequestProgress:
-        if not isinstance(values, list | tuple) or len(values) != 6:
-            raise ValidationError("running", "entries must be 6-element lists")
+        if not isinstance(values, list | tuple) or len(values) not in (6, 8):
+            raise ValidationError("running", "entries must be 6- or 8-element lists")
         return cls(*values)
 
 

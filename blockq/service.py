@@ -16,7 +16,8 @@ from blockq.state import ClusterState
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """--redis, --prefix, --state-dir, --log-level: accepted by every command."""
     parser.add_argument("--redis", dest="redis_url", default=None,
-                        help="Redis URL (redis://, rediss://; user:password@ allowed); env BLOCKQ_REDIS_URL")
+                        help="Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster:// "
+                             "(user:password@ allowed; forms in deploy/README.md); env BLOCKQ_REDIS_URL")
     parser.add_argument("--prefix", dest="key_prefix", default=None, help="key prefix (default bq:)")
     parser.add_argument("--state-dir", default=None, type=Path,
                         help="state directory of a local cluster (default .blockq); env BLOCKQ_STATE_DIR")

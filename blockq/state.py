@@ -87,6 +87,8 @@ class ClusterState:
     started_at_s: float = 0.0
     # str(pid) -> ProcessIdentity.to_map() of the supervisor, Redis and every child
     identities: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # child name -> the URL of its Prometheus /metrics (children that serve them)
+    metrics_urls: dict[str, str] = field(default_factory=dict)
 
     def write(self, state_dir: Path) -> None:
         """Atomically (re)write the state file, mode 0600 (it holds the Redis password)."""

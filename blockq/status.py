@@ -1,6 +1,7 @@
 """A cluster's state as ``blockq status`` reports it (stable JSON shape, documented in
 the README): instances with their last heartbeat, stream lengths, pending entries per
-consumer group and the dead-letter count."""
+consumer group and the dead-letter count; for a ``blockq up`` cluster also the gateway's
+URL and every process's Prometheus endpoint (``metrics_urls``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from blockq.config import Settings
 from blockq.health import HealthPolicy
 from blockq.keys import GROUP_DISPATCH, GROUP_PREDICT, GROUP_WORK
 from blockq.protocol import ValidationError, decode_heartbeat
+from blockq.state import ClusterState
 
 
 def collect_status(client: redis.Redis, settings: Settings, *, dead_after_s: float = 5.0) -> dict[str, Any]:
@@ -55,6 +57,15 @@ def collect_status(client: redis.Redis, settings: Settings, *, dead_after_s: flo
         "dead_letters": lengths["dead"],
         "dispatcher_leader": leader.decode() if leader else None,
     }
+
+
+def add_cluster_urls(status: dict[str, Any], state: ClusterState | None) -> dict[str, Any]:
+    """Add what the state file of a ``blockq up`` cluster records: ``gateway_url`` (None
+    without a gateway) and ``metrics_urls``, process name (``dispatcher``, ``predictor``,
+    ``gateway``, ``workers-0``, ...) -> its ``/metrics`` URL (empty when not known)."""
+    status["gateway_url"] = state.gateway_url if state else None
+    status["metrics_urls"] = dict(sorted(state.metrics_urls.items())) if state else {}
+    return status
 
 
 def _pending(client: redis.Redis, stream: str, group: str) -> int:

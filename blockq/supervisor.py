@@ -46,6 +46,7 @@ import structlog
 
 from blockq.embedded_redis import DEFAULT_MAXMEMORY, EmbeddedRedis, start_embedded_redis
 from blockq.state import ClusterState, pid_alive
+from blockq.streams import connect
 
 log = structlog.get_logger(__name__)
 
@@ -67,11 +68,13 @@ def next_restart(num_restarts: int, ran_for_s: float) -> tuple[int, float]:
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """A supervised service: its name and the python -m command line."""
+    """A supervised service: its name, the python -m command line and where it serves its
+    Prometheus metrics (None: nowhere), recorded in the state file."""
 
     name: str
     argv: tuple[str, ...]
     stop_timeout_s: float = 30.0
+    metrics_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,7 @@ class Supervisor:
                 and state.num_instances == self._num_workers()):
             return
         state.children = self._child_pids()
+        state.metrics_urls = {c.spec.name: c.spec.metrics_url for c in self.children if c.spec.metrics_url}
         state.num_instances = self._num_workers()
         state.redis_pid = redis_pid
         state.record_identities()
@@ -238,7 +242,7 @@ class Supervisor:
 
     def _client(self) -> redis.Redis:
         if self._redis is None:
-            self._redis = redis.Redis.from_url(self.redis_url or "", socket_timeout=2.0, socket_connect_timeout=2.0)
+            self._redis = connect(self.redis_url or "", socket_timeout=2.0, socket_connect_timeout=2.0)
         return self._redis
 
     def _seed_scaling(self, scaling: WorkerScaling) -> None:

@@ -213,3 +213,49 @@ def get_token_counter(name: str | None = None) -> TokenCounter:
     """
     resolved = name or os.environ.get(TOKENIZER_ENV_VAR) or AUTO_NAME
     return _build_counter(resolved)
+
+
+class AnswerTokenizer:
+    """The project tokenizer (``mistral-v1`` SentencePiece) with token ids: to cut an answer
+    after its first ``g`` tokens (refinement), or stream it token by token (the emulated
+    engine replaying a recorded answer)."""
+
+    name = MISTRAL_V1_NAME
+
+    def __init__(self) -> None:
+        model_path = mistral_v1_model_path()
+        if model_path is None:
+            raise RuntimeError("refinement needs the packages sentencepiece and mistral-common")
+        import sentencepiece
+
+        self._processor = sentencepiece.SentencePieceProcessor(model_file=os.fspath(model_path))
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text (no BOS/EOS: counts equal the project token counter's)."""
+        return self._processor.encode(list(texts)) if texts else []
+
+    def prefix_text(self, ids: Sequence[int], num_tokens: int) -> str:
+        """The text of the first ``num_tokens`` ids ("" for 0)."""
+        return self._processor.decode(list(ids[:num_tokens])) if num_tokens > 0 else ""
+
+    def token_texts(self, text: str) -> list[str]:
+        """The text of each token of ``text``, in order: joined, the text as the tokenizer
+        decodes it. A character spelled in several byte tokens comes with its last one
+        (the others are "")."""
+        processor = self._processor
+        texts: list[str] = []
+        pending = b""
+        for token_id in processor.encode(text):
+            piece = processor.id_to_piece(token_id)
+            if not processor.is_byte(token_id):
+                texts.append(piece.replace("\u2581", " "))
+                continue
+            pending += bytes([int(piece[3:5], 16)])  # a byte piece is spelled <0xNN>
+            try:
+                texts.append(pending.decode("utf-8"))
+                pending = b""
+            except UnicodeDecodeError:
+                texts.append("")
+        if texts and texts[0].startswith(" "):
+            texts[0] = texts[0][1:]  # SentencePiece's dummy prefix: not part of the text
+        return texts

@@ -39,6 +39,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from prometheus_client import CollectorRegistry
 
 from blockq.config import AutoscaleOptions
 from blockq.keys import DECISION_FIELD, Keys
@@ -221,15 +222,14 @@ class AutoscalingService:
         """Stop the actuators this process runs (a command in progress is killed)."""
         if self.command is not None:
             await self.command.close()
-        if self.metrics is not None:
-            self.metrics.close()
 
 
 def create_autoscaling(client: aioredis.Redis, keys: Keys, core: DispatcherCore, lease: Lease,
-                       options: AutoscaleOptions, *, slo_ttft_s: float, seed: int = 0) -> AutoscalingService:
-    """The service ``options`` describe, its metrics server started when a port is given."""
-    metrics = (AutoscaleMetrics(options.metrics_port, options.metrics_host, lambda: lease.token is not None)
-               if options.metrics_port is not None else None)
+                       options: AutoscaleOptions, *, slo_ttft_s: float, seed: int = 0,
+                       registry: CollectorRegistry | None = None) -> AutoscalingService:
+    """The service ``options`` describe; its metrics go on ``registry`` (the dispatcher's;
+    none without one)."""
+    metrics = AutoscaleMetrics(registry, lambda: lease.token is not None) if registry is not None else None
     command = ScaleCommand(options.scale_command, options.scale_command_timeout_s) if options.scale_command else None
     return AutoscalingService(client, keys, core, lease, make_live_autoscaler(options, slo_ttft_s=slo_ttft_s, seed=seed),
                               options, metrics=metrics, command=command)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from blockq.config import AUTOSCALERS, AutoscaleOptions, add_scaling_options
+from blockq.metrics_server import add_metrics_arguments, metrics_endpoint_from_args, serving_metrics
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import connect_async, default_consumer_name
 from dispatcher.forecast import DEFAULT_OBJECTIVE, OBJECTIVES
@@ -26,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=128, help="max ready entries per read")
     parser.add_argument("--dead-after-s", type=float, default=5.0,
                         help="seconds without a heartbeat before an instance is dead and its queue re-placed")
+    # One server for the dispatcher's metrics and, with --autoscale, the autoscaler's.
+    add_metrics_arguments(parser)
     add_autoscale_arguments(parser)
 
 
@@ -42,10 +45,6 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
                             "size, e.g. 'kubectl scale statefulset/blockq-worker --replicas={n}'")
     group.add_argument("--scale-command-timeout-s", type=float, default=defaults.scale_command_timeout_s,
                        help="seconds before a scale command is killed")
-    group.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus metrics (blockq_autoscaler_*) on this port")
-    group.add_argument("--metrics-host", default=defaults.metrics_host,
-                       help="address the metrics server binds (0.0.0.0 in a pod)")
 
 
 def autoscale_options(args: argparse.Namespace) -> AutoscaleOptions | None:
@@ -56,13 +55,13 @@ def autoscale_options(args: argparse.Namespace) -> AutoscaleOptions | None:
         scaler=args.autoscale, min_instances=args.min_instances, max_instances=args.max_instances,
         max_step_fraction=args.max_step_fraction, cooldown_s=args.cooldown_s, reversal_hold_s=args.reversal_hold_s,
         startup_s=args.startup_s, cycle_s=args.cycle_s, scale_command=args.scale_command,
-        scale_command_timeout_s=args.scale_command_timeout_s, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host)
+        scale_command_timeout_s=args.scale_command_timeout_s)
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     autoscale = autoscale_options(args)  # validated before anything starts
+    metrics = metrics_endpoint_from_args(args)
 
     async def main(stop: asyncio.Event) -> None:
         client = connect_async(settings.redis_url)
@@ -73,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
             autoscale=autoscale)
         prepare_for_decisions(dispatcher.core, autoscales=autoscale is not None)
         try:
-            await dispatcher.run(stop)
+            async with serving_metrics(dispatcher.metrics.registry, metrics, "dispatcher"):
+                await dispatcher.run(stop)
         finally:
             await client.aclose()
 

@@ -59,6 +59,7 @@ class CoreStats:
 
     num_beats_applied: int = 0
     num_beats_rejected: int = 0
+    num_replica_rebuilds: int = 0   # replicas built or rebuilt from a beat
     num_placed: int = 0
     num_held: int = 0
     num_rejected: int = 0
@@ -106,12 +107,16 @@ class DispatcherCore:
         """Apply one beat received at ``now_s`` (that reached the bus at ``heard_at_s``,
         default ``now_s``: see :meth:`ClusterView.apply_heartbeat`); returns None, or why
         the beat was rejected (counted; the beat changes nothing and the core carries on)."""
+        known = self.view.instances.get(beat.instance_id)
+        synced_at_s = known.replica_synced_at_s if known is not None else None
         try:
-            self.view.apply_heartbeat(beat, now_s, heard_at_s)
+            view = self.view.apply_heartbeat(beat, now_s, heard_at_s)
         except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
             self.stats.num_beats_rejected += 1
             return f"{type(exc).__name__}: {exc}"
         self.stats.num_beats_applied += 1
+        if view.replica_synced_at_s != synced_at_s and view.replica is not None:
+            self.stats.num_replica_rebuilds += 1  # the view stamps each rebuild with its time
         self.answered_sizes.extend(beat.finished_sizes)
         return None
 

@@ -103,9 +103,10 @@ class Lease:
 
         A holder that never took the lease (a dispatcher driven step by step, as
         benchmarks and differential tests do) writes the same commands in one plain
-        pipeline. Redis Cluster: one transaction's keys must share a slot, and ``ready``,
-        instance queues and owner keys do not; this fencing needs a standalone Redis (or
-        Sentinel), or a cell whose keys are all under one hash tag."""
+        pipeline. Redis Cluster: one transaction's keys must share a slot; the lease,
+        ``ready``, instance queues, owner keys and reply streams do, because there the key
+        prefix carries a hash tag (:mod:`blockq.keys`), and redis-py's cluster pipelines
+        run WATCH/MULTI/EXEC on the node of that slot."""
         if not self.fences_writes:
             pipe = self.client.pipeline(transaction=False)
             queue_writes(pipe)

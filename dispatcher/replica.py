@@ -3,7 +3,8 @@
 A heartbeat is a snapshot from the past. On each new beat the replica is rebuilt from it
 (:meth:`PackedScheduler.restored`), with output targets from what is known about each
 request (:mod:`dispatcher.lengths`: tokens generated so far and the conditional length
-distribution), advanced by the model time elapsed since the beat, and given back the
+distribution, of the first guess or, once the worker reports one, of the latest
+remaining-length refinement: :mod:`workers.refinement`), advanced by the model time elapsed since the beat, and given back the
 requests this dispatcher assigned that the beat does not show yet. Between beats, the
 replica advances along its own deterministic trajectory, and each assignment is added to
 it at once, so that the next decision sees it.
@@ -194,8 +195,12 @@ class InstanceReplica:
         rows = []
         max_model_len, beliefs, lengths = self.config.max_model_len, self.beliefs, self.lengths
         for item in progress:
-            belief = beliefs.get(item.request_id) or belief_from_prediction(
-                item.predicted_output_tokens, None, item.p90_tokens)
+            if item.refined_at_tokens is not None and lengths != "truth":
+                # Refined from the partial output: it knows more than the first guess.
+                belief = belief_from_prediction(item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
+            else:
+                belief = beliefs.get(item.request_id) or belief_from_prediction(
+                    item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
             prompt_tokens = min(item.prompt_tokens, max_model_len - 1)
             target = min(belief.remaining_target(item.num_generated_tokens, lengths), max_model_len - prompt_tokens)
             if item.num_generated_tokens >= target:

@@ -1,5 +1,6 @@
 """The dispatcher's own actuators of autoscaling decisions: a shell command hook and
-Prometheus metrics (for KEDA or an HPA to act on). The local supervisor, the third
+Prometheus metrics (for KEDA or an HPA to act on, served on the dispatcher's
+``--metrics-port``). The local supervisor, the third
 actuator, reads the decision keys in Redis instead (:mod:`blockq.supervisor`)."""
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
 
 import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dispatcher.autoscale import ScalingDecision
 
@@ -99,9 +100,8 @@ class ScaleCommand:
 
 
 class AutoscaleMetrics:
-    """Prometheus metrics of the autoscaler on ``host:port`` (0: any free port, see
-    :attr:`port`), on a registry of their own. ``prometheus_client`` is imported here, so
-    only a dispatcher given a metrics port needs it.
+    """Prometheus metrics of the autoscaler, on the dispatcher's registry (served with the
+    dispatcher's own metrics, :mod:`dispatcher.metrics`).
 
     * ``blockq_autoscaler_desired_instances`` (gauge): the latest target;
     * ``blockq_autoscaler_current_instances`` (gauge): the fleet it was decided for
@@ -111,33 +111,20 @@ class AutoscaleMetrics:
       the figures of its last term: ``max(desired * leader)`` over the dispatchers is the
       leader's figure."""
 
-    def __init__(self, port: int, host: str, is_leading: Callable[[], bool]) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry, is_leading: Callable[[], bool]) -> None:
         self.desired = Gauge("blockq_autoscaler_desired_instances", "Fleet size the autoscaler wants",
-                             registry=self.registry)
+                             registry=registry)
         self.current = Gauge("blockq_autoscaler_current_instances",
-                             "Fleet size (live and starting) the latest decision was made for", registry=self.registry)
+                             "Fleet size (live and starting) the latest decision was made for", registry=registry)
         self.actions = Counter("blockq_autoscaler_actions", "Scaling actions taken", ["direction"],
-                               registry=self.registry)
+                               registry=registry)
         for direction in ("up", "down"):
             self.actions.labels(direction=direction)
-        leader = Gauge("blockq_autoscaler_leader", "1 while this dispatcher leads", registry=self.registry)
+        leader = Gauge("blockq_autoscaler_leader", "1 while this dispatcher leads", registry=registry)
         leader.set_function(lambda: 1.0 if is_leading() else 0.0)
-        self._server: Any
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_port)
 
     def record(self, decision: ScalingDecision) -> None:
         self.desired.set(decision.target)
         self.current.set(decision.current)
         if decision.direction is not None:
             self.actions.labels(direction=decision.direction).inc()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()

@@ -28,6 +28,9 @@ Crashes and pauses:
   entry id, against Redis' own clock), so a replayed beat 30 s old is not fresh.
 * **Stable consumer name.** ``dispatcher_id`` is the consumer name in ``dispatch``: a
   restarted dispatcher under the same name reads its predecessor's pending entries first.
+
+Metrics: :attr:`Dispatcher.metrics` (:mod:`dispatcher.metrics`); the leader's loop also
+follows ``done`` for the forecast errors (:class:`dispatcher.metrics.DoneFollower`).
 """
 
 from __future__ import annotations
@@ -56,13 +59,14 @@ from blockq.protocol import (
     decode_request,
     encode,
 )
-from blockq.streams import GroupConsumer, StreamEntry
+from blockq.streams import GroupConsumer, StreamEntry, queue_redis_time, redis_time_ms
 from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.autoscaling_service import AutoscalingService, create_autoscaling
 from dispatcher.cluster_view import ClusterView
 from dispatcher.core import DispatcherCore, Held, Placed
 from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
+from dispatcher.metrics import DispatcherMetrics, DoneFollower
 from dispatcher.queue_reads import read_queue
 
 log = structlog.get_logger(__name__)
@@ -111,6 +115,9 @@ class Dispatcher:
         self._last_num_placed = 0
         self.num_placed = 0
         self.autoscaling: AutoscalingService | None = None  # set by create_dispatcher with autoscale
+        self.metrics = DispatcherMetrics(core, num_held=lambda: len(self.unplaced),
+                                         is_leading=lambda: self.lease.token is not None)
+        self.done_follower = DoneFollower(client, self.keys, self.metrics)
 
     def _new_consumer(self) -> GroupConsumer:
         # A new consumer reads this name's pending entries first: what a predecessor (or
@@ -152,6 +159,7 @@ class Dispatcher:
         it last led: a fresh view rebuilt from the whole beat history (dated by age, with
         a grace), and this name's pending entries read first."""
         self._reset_after_interruption()
+        self.done_follower.start_term()
         log.info("dispatcher_leader", dispatcher_id=self.dispatcher_id, lease=self.lease.token)
 
     def _reset_after_interruption(self) -> None:
@@ -232,6 +240,7 @@ class Dispatcher:
         num_placed = await self.place_batch(entries)
         if self.autoscaling is not None:
             await self.autoscaling.step(self.clock(), len(self.unplaced))
+        await self.done_follower.poll()
         return num_placed
 
     async def follow_heartbeats(self) -> None:
@@ -247,9 +256,9 @@ class Dispatcher:
         try:
             while True:
                 pipe = self.client.pipeline(transaction=False)
-                pipe.time()
+                queue_redis_time(pipe, self.keys.heartbeats)  # the clock that stamped the beats
                 pipe.xread({self.keys.heartbeats: self._last_beat_id}, count=1000)
-                (redis_s, redis_us), reply = await pipe.execute()
+                redis_time, reply = await pipe.execute()
                 now_s = self.clock()
                 if self._beats_unheard or now_s - self._beats_read_at_s > self.view.health_policy.dead_after_s / 2:
                     self._beats_unheard = False
@@ -257,7 +266,7 @@ class Dispatcher:
                 self._beats_read_at_s = now_s
                 entries = reply[0][1] if reply else []
                 for entry_id, fields in entries:
-                    self._apply_beat_entry(entry_id.decode(), fields, now_s, redis_s * 1000 + redis_us // 1000)
+                    self._apply_beat_entry(entry_id.decode(), fields, now_s, redis_time_ms(redis_time))
                 if len(entries) < 1000:
                     return
         except REDIS_UNAVAILABLE:
@@ -299,7 +308,9 @@ class Dispatcher:
         now_s = self.clock()
         if self.autoscaling is not None:  # the arrivals it forecasts from: new requests only
             self.autoscaling.observe([request for _, request in queued[num_offered_again:]], now_s)
-        for (entry, _), outcome in zip(queued, self.core.place([r for _, r in queued], now_s), strict=True):
+        outcomes = self.core.place([r for _, r in queued], now_s)
+        self.metrics.record_placed(outcomes)
+        for (entry, _), outcome in zip(queued, outcomes, strict=True):
             if isinstance(outcome, Held):
                 self.unplaced.append((entry, outcome.request))
             elif isinstance(outcome, Placed):
@@ -363,6 +374,7 @@ class Dispatcher:
             except ValidationError:
                 continue  # the worker dead-letters it if it ever comes back
         outcomes = self.core.replace_unstarted(instance_id, [r for _, r in decoded], self.clock())
+        self.metrics.record_placed(outcomes)
         moved = [(entry_id, o.request) for (entry_id, _), o in zip(decoded, outcomes, strict=True)
                  if isinstance(o, Placed)]
         returned = [(entry_id, o.request) for (entry_id, _), o in zip(decoded, outcomes, strict=True)
@@ -413,5 +425,6 @@ def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: s
     dispatcher = Dispatcher(client, settings, core, dispatcher_id=dispatcher_id, options=options)
     if autoscale is not None:
         dispatcher.autoscaling = create_autoscaling(client, settings.keys, core, dispatcher.lease, autoscale,
-                                                    slo_ttft_s=(settings.slo_ttft_ms or 3000) / 1000, seed=seed or 0)
+                                                    slo_ttft_s=(settings.slo_ttft_ms or 3000) / 1000, seed=seed or 0,
+                                                    registry=dispatcher.metrics.registry)
     return dispatcher

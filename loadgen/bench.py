@@ -29,6 +29,7 @@ from loadgen.metrics import KvSample, RequestRecord, summarize
 from loadgen.plots import run_key
 from loadgen.replay import ReplayOptions, ReplayResult, replay
 from loadgen.traces import TraceRequest, load_trace
+from workers.refinement import DEFAULT_REFINE_EVERY_TOKENS
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +49,8 @@ class BenchConfig:
     time_scale: float = 1.0
     predictor: str = "heuristic"
     predictor_model: str | None = None
+    refine_model: str | None = None
+    refine_every_tokens: int = DEFAULT_REFINE_EVERY_TOKENS
     objective: str | None = None
     slo_ttft_ms: float = 3000.0
     lag_bound_ms: float = 50.0
@@ -89,6 +92,8 @@ def start_cluster(config: BenchConfig, policy: str, state_dir: Path) -> dict[str
         flags += ["--predictor-model", config.predictor_model]
     if config.objective:
         flags += ["--objective", config.objective]
+    if config.refine_model:
+        flags += ["--refine-model", config.refine_model, "--refine-every-tokens", str(config.refine_every_tokens)]
     return up_detached(state_dir, flags)
 
 

@@ -7,13 +7,14 @@ import argparse
 import json
 import signal
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from blockq.progress import run_progress_printer
 from loadgen.bench import BenchConfig, load_requests, run_bench, run_one
 from loadgen.report import capacity_search, markdown_table, with_improvement_ratios, write_report
+from workers.refinement import add_refine_arguments
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -44,6 +45,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
     parser.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per model second")
     parser.add_argument("--predictor", default="heuristic", help="fast | transformer | ensemble | heuristic | trace | oracle")
     parser.add_argument("--predictor-model", default=None)
+    add_refine_arguments(parser)
     parser.add_argument("--objective", default=None, help="block objective: e2e | ttft | max_latency")
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--lag-bound-ms", type=float, default=50.0)
@@ -57,22 +59,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         preset=args.preset, policies=args.policies, rates=args.rates, requests=args.requests, seed=args.seed,
         burstiness=args.burstiness, use_trace_times=args.trace_times, time_scale=args.time_scale,
         predictor=args.predictor, predictor_model=args.predictor_model, objective=args.objective,
+        refine_model=args.refine_model, refine_every_tokens=args.refine_every_tokens,
         slo_ttft_ms=args.slo_ttft_ms, lag_bound_ms=args.lag_bound_ms, out_dir=args.out)
 
 
 def _progress_printer() -> Any:
-    last = {"at": 0.0}
-
-    def show(run: str, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done == total or now - last["at"] > 0.5:
-            last["at"] = now
-            sys.stderr.write(f"\r{run:<24} {done:>6}/{total} requests")
-            if done == total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-    return show
+    """Per-run progress on stderr: a bar on a terminal, periodic lines into a file."""
+    return run_progress_printer()
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

@@ -16,12 +16,19 @@ from typing import Any
 
 import matplotlib
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from loadgen.metrics import KvSample, RequestRecord
 
 _DPI = 110
+# Latencies at or under this are drawn at it: a log axis has no zero.
+_LOG_AXIS_FLOOR_MS = 1.0
+# Labelled ticks of a log time axis per decade, by the most decades they fit in one panel
+# (about six labels: 50 ms to 40 s gets 100 ms, 300 ms, 1 s, 3 s, 10 s, 30 s).
+_DECADES_TO_TICK_SUBS = ((1.5, (1.0, 2.0, 5.0)), (3.5, (1.0, 3.0)), (math.inf, (1.0,)))
 
 
 def run_key(policy: str, rate: float | None) -> str:
@@ -79,10 +86,19 @@ def plot_latency_cdf(
     rate_to_runs = _group_by_rate(run_to_records, run_to_policy_rate)
     if not any(records for runs in rate_to_runs.values() for records in runs.values()):
         return _no_data(path, title)
+    return _save(latency_cdf_figure(rate_to_runs, field_name=field_name, title=title), path)
+
+
+def latency_cdf_figure(
+    rate_to_runs: Mapping[float | None, Mapping[str, Sequence[RequestRecord]]], *, field_name: str, title: str
+) -> Figure:
+    """The figure of :func:`plot_latency_cdf`: latencies span 50 ms to tens of seconds, so
+    the time axis is logarithmic (values under 1 ms drawn at 1 ms), labelled in ms and s."""
     figure, axes = _new_figure(len(rate_to_runs))
     for axis, (rate, runs) in zip(axes, rate_to_runs.items(), strict=True):
+        all_values_ms = []
         for label, records in runs.items():
-            values = np.sort(
+            values_ms = np.sort(
                 np.asarray(
                     [
                         getattr(r, field_name)
@@ -92,15 +108,43 @@ def plot_latency_cdf(
                     dtype=np.float64,
                 )
             )
-            if values.size:
-                axis.plot(values, np.arange(1, values.size + 1) / values.size, label=label)
-        axis.set_xlabel(f"{field_name.removesuffix('_ms').upper()} (ms)")
+            values_ms = np.maximum(values_ms[np.isfinite(values_ms)], _LOG_AXIS_FLOOR_MS)
+            if values_ms.size:
+                axis.plot(values_ms, np.arange(1, values_ms.size + 1) / values_ms.size, label=label)
+                all_values_ms.append(values_ms)
+        if all_values_ms:
+            joined_ms = np.concatenate(all_values_ms)
+            log_time_axis(axis, float(joined_ms.min()), float(joined_ms.max()))
+        axis.set_xlabel(f"{field_name.removesuffix('_ms').upper()} (log scale)")
         axis.set_ylabel("fraction of requests")
         axis.set_title(title if rate is None else f"{title} at {rate:g} req/s")
         axis.set_ylim(0.0, 1.0)
         axis.grid(alpha=0.3)
+        axis.grid(which="minor", alpha=0.1)
         axis.legend(fontsize="small")
-    return _save(figure, path)
+    return figure
+
+
+def duration_label(value_ms: float) -> str:
+    """A tick label for a duration in milliseconds: ``50 ms``, ``500 ms``, ``1 s``, ``2.5 s``, ``40 s``."""
+    if value_ms < 1000.0:
+        return f"{value_ms:.3g} ms"
+    return f"{value_ms / 1000.0:.3g} s"
+
+
+def log_time_axis(axis: Axes, low_ms: float, high_ms: float) -> None:
+    """Make the x axis of ``axis`` a log axis of milliseconds spanning ``low_ms`` to
+    ``high_ms`` (both > 0), with labelled ticks at 1-2-5 or 1-3 of each decade (one a decade
+    when the span is wide), labelled by :func:`duration_label`, and unlabelled minor ticks."""
+    axis.set_xscale("log")
+    num_decades = math.log10(max(high_ms, low_ms * 1.0001) / low_ms)
+    subs = next(subs for max_decades, subs in _DECADES_TO_TICK_SUBS if num_decades <= max_decades)
+    axis.xaxis.set_major_locator(LogLocator(base=10.0, subs=subs))
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _position: duration_label(value)))
+    axis.xaxis.set_minor_locator(LogLocator(base=10.0, subs=np.arange(1.0, 10.0)))
+    axis.xaxis.set_minor_formatter(NullFormatter())
+    # A little room on both sides, in log space, so the first and last steps show.
+    axis.set_xlim(low_ms / 1.15, high_ms * 1.15)
 
 
 def plot_latency_vs_rate(path: Path, results: Sequence[Mapping[str, Any]]) -> Path:

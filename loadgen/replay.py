@@ -91,7 +91,8 @@ async def _submit_and_wait(client: AsyncClient, request: TraceRequest, offset_s:
         handle: AsyncHandle = await client.submit(
             request.prompt, max_tokens=max_tokens_for(request, options), priority=options.priority,
             true_output_tokens=request.true_output_tokens,
-            trace_predicted_output_tokens=request.predicted_output_tokens)
+            trace_predicted_output_tokens=request.predicted_output_tokens,
+            trace_output_text=request.output_text)
         final = await handle.result(timeout_s=options.request_timeout_s)
     except Overloaded:
         return failed_record(request, offset_s, "overloaded")

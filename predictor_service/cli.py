@@ -87,6 +87,12 @@ def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--learning-rate", type=float, default=6e-5, help="AdamW lr (6e-5)"
     )
     transformer_group.add_argument("--max-steps", type=int, help="stop after this many steps")
+    transformer_group.add_argument(
+        "--head-tokens", type=int, default=127, help="word pieces kept from the prompt's start (127)"
+    )
+    transformer_group.add_argument(
+        "--tail-tokens", type=int, default=127, help="word pieces kept from the prompt's end (127)"
+    )
     transformer_group.add_argument("--device", help="torch device (default: cuda if available)")
     transformer_group.add_argument(
         "--bf16", action="store_true", help="bfloat16 autocast (GPUs; slow on most CPUs)"
@@ -195,6 +201,8 @@ def handle_train(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             learning_rate=args.learning_rate,
             max_steps=args.max_steps,
+            head_tokens=args.head_tokens,
+            tail_tokens=args.tail_tokens,
             device=args.device,
             bf16=args.bf16,
         ),

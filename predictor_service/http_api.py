@@ -11,7 +11,7 @@
   naming the offending field (``body`` for an unreadable, non-object or too-large body,
   ``prompts[3]`` for one list item).
 - ``GET /healthz``: ``{"ok": true, "backend", "version"}``.
-- ``GET /metrics``: Prometheus text format 0.0.4 (see :func:`render_metrics`).
+- ``GET /metrics``: Prometheus metrics (:mod:`predictor_service.exposition`).
 
 The model call runs in a worker thread (``predict`` is thread-safe) so that a large
 batch does not stall the stream stage sharing the loop.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
+from blockq.metrics_server import metrics_response
 from blockq.protocol import DEFAULT_LIMITS, ProtocolLimits
 from blockq.tokenizer import TokenCounter
+from predictor_service.exposition import predictor_registry
 from predictor_service.models import LengthPrediction, LengthPredictor, PredictionInput
 from predictor_service.online import PredictorSlot
 
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _KNOWN_FIELDS = frozenset({"prompt", "prompts", "max_tokens", "num_turns"})
 
 
@@ -185,6 +185,8 @@ class PredictorHttpApi:
         self.feedback = feedback
         self.refitter = refitter
         self.stats = HttpApiStats()
+        self.registry = predictor_registry(slot, http_stats=self.stats, stage=stage, feedback=feedback,
+                                           refitter=refitter)
 
     async def read_body(self, request: web.Request) -> bytes:
         """The body, refusing (``PredictRequestError`` on ``body``) past the byte limit
@@ -238,9 +240,8 @@ class PredictorHttpApi:
         return web.json_response({"ok": True, "backend": predictor.backend, "version": predictor.version})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """``GET /metrics``: Prometheus text."""
-        return web.Response(text=render_metrics(self), content_type="text/plain",
-                            headers={"X-Content-Type-Options": "nosniff"})  # fmt: skip
+        """``GET /metrics``: every metric of :attr:`registry`."""
+        return metrics_response(self.registry, request)
 
 
 API_APP_KEY: web.AppKey[PredictorHttpApi] = web.AppKey("predictor_api", PredictorHttpApi)
@@ -271,106 +272,3 @@ async def start_http_api(app: web.Application, host: str, port: int) -> web.AppR
     await web.TCPSite(runner, host, port).start()
     log.info("predictor_http_started", host=host, port=port)
     return runner
-
-
-# --- /metrics ---------------------------------------------------------------------------
-
-
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return f"{value:.6g}"
-
-
-def _labels(**labels: str) -> str:
-    if not labels:
-        return ""
-    pairs = (f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-             for k, v in sorted(labels.items()))  # fmt: skip
-    return "{" + ",".join(pairs) + "}"
-
-
-class _Lines:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def metric(self, name: str, kind: str, help_text: str,
-               samples: list[tuple[dict[str, str], float]]) -> None:  # fmt: skip
-        self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        self.lines += [f"{name}{_labels(**labels)} {_number(value)}" for labels, value in samples]
-
-    def histogram(self, name: str, help_text: str, source_to_counts: dict[str, Counter[int]]) -> None:
-        self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        for source, size_to_count in sorted(source_to_counts.items()):
-            for bound in (*BATCH_SIZE_BUCKETS, math.inf):
-                cumulative = sum(n for size, n in size_to_count.items() if size <= bound)
-                le = "+Inf" if math.isinf(bound) else str(bound)
-                self.lines.append(f"{name}_bucket{_labels(source=source, le=le)} {cumulative}")
-            total = sum(size * n for size, n in size_to_count.items())
-            self.lines.append(f"{name}_sum{_labels(source=source)} {total}")
-            self.lines.append(f"{name}_count{_labels(source=source)} {sum(size_to_count.values())}")
-
-
-def render_metrics(api: PredictorHttpApi) -> str:
-    """Every metric, ``blockq_predictor_*``: model info, predictions and batch sizes by
-    source (``http``/``stage``), HTTP responses, dead letters, the feedback figures
-    (rolling MAE in tokens, Acc-50/Acc-100 as fractions, prompt PSI, alerts by kind,
-    records by outcome) and online refit counts. NaN while a figure has no data."""
-    out = _Lines()
-    predictor = api.slot.predictor
-    out.metric("blockq_predictor_model_info", "gauge", "Serving model (value 1).",
-               [({"backend": predictor.backend, "version": predictor.version}, 1)])
-    predictions = [({"source": "http"}, api.stats.num_predictions)]
-    batches = {"http": api.stats.batch_size_to_num_batches}
-    if api.stage is not None:
-        predictions.append(({"source": "stage"}, api.stage.num_annotated))
-        batches["stage"] = api.stage.batch_size_to_num_batches
-    out.metric("blockq_predictor_predictions_total", "counter", "Predictions served.", predictions)
-    out.histogram("blockq_predictor_batch_size", "Requests per model call.", batches)
-    out.metric("blockq_predictor_http_responses_total", "counter", "HTTP /predict responses by status.",
-               [({"code": str(code)}, n) for code, n in sorted(api.stats.status_to_num_responses.items())])
-    if api.stage is not None:
-        out.metric("blockq_predictor_dead_letters_total", "counter",
-                   "Stream entries dead-lettered by the stage.", [({}, api.stage.num_dead_lettered)])
-    if api.feedback is not None:
-        _render_feedback(out, api.feedback)
-    if api.refitter is not None:
-        _render_refit(out, api.refitter)
-    return "\n".join(out.lines) + "\n"
-
-
-def _render_feedback(out: _Lines, feedback: FeedbackConsumer) -> None:
-    snapshot = feedback.snapshot()
-    gauges = [
-        ("blockq_predictor_rolling_samples", "Done records in the rolling window.", snapshot.num_samples),
-        ("blockq_predictor_rolling_mae_tokens", "Rolling mean absolute error, tokens.", snapshot.rolling_mae),
-        ("blockq_predictor_rolling_acc50_ratio", "Rolling share within 50 tokens.", snapshot.rolling_acc50),
-        ("blockq_predictor_rolling_acc100_ratio", "Rolling share within 100 tokens.", snapshot.rolling_acc100),
-        ("blockq_predictor_validation_acc50_ratio", "Validation Acc-50 of the model.", snapshot.validation_acc50),
-        ("blockq_predictor_prompt_drift_psi", "Prompt-length PSI against training.", snapshot.prompt_psi),
-    ]
-    for name, help_text, value in gauges:
-        out.metric(name, "gauge", help_text, [({}, float(value))])
-    from predictor_service.quality import ACCURACY_DROP, PROMPT_DRIFT
-
-    out.metric("blockq_predictor_alerts_total", "counter", "Quality alerts raised, by kind.",
-               [({"kind": kind}, feedback.alert_kind_to_num_alerts[kind])
-                for kind in (ACCURACY_DROP, PROMPT_DRIFT)])  # fmt: skip
-    outcomes = [({"outcome": "counted"}, feedback.num_counted)]
-    outcomes += [({"outcome": f"skipped_{reason}"}, n)
-                 for reason, n in sorted(feedback.skip_reason_to_num_records.items())]  # fmt: skip
-    outcomes.append(({"outcome": "dead_lettered"}, feedback.num_dead_lettered))
-    out.metric("blockq_predictor_feedback_records_total", "counter", "Done records read, by outcome.", outcomes)
-
-
-def _render_refit(out: _Lines, refitter: OnlineRefitter) -> None:
-    out.metric("blockq_predictor_refits_total", "counter", "Online refits, by outcome.",
-               [({"outcome": "ok"}, refitter.num_refits),
-                ({"outcome": "failed"}, refitter.num_failed_refits)])  # fmt: skip
-    out.metric("blockq_predictor_rollbacks_total", "counter", "Model rollbacks.", [({}, refitter.num_rollbacks)])
-    out.metric("blockq_predictor_feedback_samples", "gauge", "Feedback samples held for refit.",
-               [({}, len(refitter.samples))])
-    out.metric("blockq_predictor_tracked_requests", "gauge", "Annotated requests awaiting their done record.",
-               [({}, len(refitter.cache))])

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from blockq.tokenizer import AnswerTokenizer
 from dispatcher.lengths import LengthBelief
 from predictor_service.dataset import file_sha256, split_examples
 from predictor_service.metrics import kendall_tau
@@ -29,7 +30,6 @@ from predictor_service.models.base import LengthPrediction
 from predictor_service.models.refine import RefineInput, RefineModel
 from predictor_service.refine_training import (
     AnswerExample,
-    AnswerTokenizer,
     FirstGuess,
     first_guess_of,
     load_answer_examples,

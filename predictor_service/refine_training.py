@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from blockq.tokenizer import MISTRAL_V1_NAME, mistral_v1_model_path
+from blockq.tokenizer import MISTRAL_V1_NAME, AnswerTokenizer
 from predictor_service.dataset import file_sha256, iter_distinct_pairs, split_examples
 from predictor_service.manifest import read_manifest
 from predictor_service.models.base import LengthPredictor, PredictionInput
@@ -44,28 +44,6 @@ logger = structlog.get_logger(__name__)
 
 NUM_RANDOM_CUTS = 2
 _FIRST_GUESS_BATCH_SIZE = 256
-
-
-class AnswerTokenizer:
-    """The project tokenizer (``mistral-v1`` SentencePiece) with ids, for cutting answers."""
-
-    name = MISTRAL_V1_NAME
-
-    def __init__(self) -> None:
-        model_path = mistral_v1_model_path()
-        if model_path is None:
-            raise RuntimeError("refinement needs the packages sentencepiece and mistral-common")
-        import sentencepiece
-
-        self._processor = sentencepiece.SentencePieceProcessor(model_file=os.fspath(model_path))
-
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text (no BOS/EOS: counts equal the project token counter's)."""
-        return self._processor.encode(list(texts)) if texts else []
-
-    def prefix_text(self, ids: Sequence[int], num_tokens: int) -> str:
-        """The text of the first ``num_tokens`` ids ("" for 0)."""
-        return self._processor.decode(list(ids[:num_tokens])) if num_tokens > 0 else ""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ import structlog
 
 from blockq.config import ConfigError, Settings
 from blockq.keys import GROUP_PREDICT, PAYLOAD_FIELD
+from blockq.metrics_server import add_metrics_arguments, metrics_endpoint_from_args, serving_metrics
 from blockq.protocol import Prediction, Request, ValidationError, decode_request, encode
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import GroupConsumer, StreamEntry, connect_async, default_consumer_name
@@ -208,6 +209,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "it unique per replica (env BLOCKQ_CONSUMER_NAME; default predict-<hostname>)")
     parser.add_argument("--http-port", type=int, default=None, help="also serve the HTTP API on this port")
     parser.add_argument("--http-host", default="127.0.0.1")
+    parser.add_argument("--refine-model", default=None,
+                        help="a refinement model directory (blockq predictor refine-train): also serve POST /refine "
+                             "(remaining lengths of running requests, for workers) on the HTTP port")
+    add_metrics_arguments(parser)  # the same registry as the HTTP API's /metrics
     quality = parser.add_argument_group("online quality (from the done stream)")
     quality.add_argument("--feedback-window", type=int, default=1000,
                          help="done records in the rolling MAE/Acc-50/Acc-100 window (count)")
@@ -230,6 +235,9 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if args.online_refit and args.backend != "fast":
         raise ConfigError(f"--online-refit: needs --backend fast (got {args.backend!r})")
+    if args.refine_model and args.http_port is None:
+        raise ConfigError("--refine-model: needs --http-port (workers ask POST /refine over HTTP)")
+    metrics_endpoint_from_args(args)  # validated before the model loads
     predictor = load_predictor(args.backend, args.model_dir)
     token_counter = get_token_counter(args.tokenizer)
 
@@ -246,8 +254,11 @@ def run_serve(args: argparse.Namespace) -> int:
 async def serve_predictor(stop: asyncio.Event, client: aioredis.Redis, settings: Settings,
                           predictor: LengthPredictor, token_counter: TokenCounter,
                           args: argparse.Namespace) -> None:
-    """Run the stage, the feedback consumer, the online refit (``--online-refit``) and
-    the HTTP API (``--http-port``) in this event loop until ``stop`` is set."""
+    """Run the stage, the feedback consumer, the online refit (``--online-refit``), the
+    HTTP API (``--http-port``) and the metrics server (``--metrics-port``; the HTTP API
+    serves the same metrics at its own ``/metrics``) in this event loop until ``stop``
+    is set."""
+    from predictor_service.exposition import predictor_registry
     from predictor_service.feedback import FeedbackConsumer, FeedbackOptions, build_quality_monitor
     from predictor_service.online import OnlineRefitOptions, OnlineRefitter
 
@@ -270,13 +281,27 @@ async def serve_predictor(stop: asyncio.Event, client: aioredis.Redis, settings:
         options=feedback_options, on_counted=refitter.observe_done if refitter else None)
     runner = None
     if args.http_port is not None:
-        from predictor_service.http_api import HttpApiOptions, create_app, start_http_api
+        from predictor_service.http_api import (
+            API_APP_KEY,
+            HttpApiOptions,
+            create_app,
+            start_http_api,
+        )
 
         app = create_app(stage, token_counter, options=HttpApiOptions.from_limits(settings.limits),
                          stage=stage, feedback=feedback, refitter=refitter)
+        registry = app[API_APP_KEY].registry
+        if args.refine_model:
+            from predictor_service.models.refine import RefineModel
+            from predictor_service.refine_api import add_refine_route
+
+            add_refine_route(app, RefineModel.load(args.refine_model))
         runner = await start_http_api(app, args.http_host, args.http_port)
+    else:
+        registry = predictor_registry(stage, stage=stage, feedback=feedback, refitter=refitter)
     try:
-        async with asyncio.TaskGroup() as group:
+        async with (serving_metrics(registry, metrics_endpoint_from_args(args), "predictor"),
+                    asyncio.TaskGroup() as group):
             group.create_task(stage.run(stop))
             group.create_task(feedback.run(stop))
             if refitter is not None:

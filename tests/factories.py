@@ -8,6 +8,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from blockq.engine_model import (
     EngineConfig,
@@ -203,3 +204,32 @@ def step_reference(scheduler: EngineScheduler, rule: StopRule | None = None) -> 
 def num_preemptions(results: list[StepResult]) -> int:
     """Preemptions made in these steps."""
     return sum(len(result.preempted_ids) for result in results)
+
+
+# --- text whose partial output tells its length --------------------------------------------
+
+_TOPICS = ("chess", "coffee", "gardening", "the moon", "jazz", "volcanoes", "bread", "bees")
+_WORDS = ("the", "water", "light", "simple", "change", "time", "world", "idea", "good", "small")
+
+
+def list_conversations(num_conversations: int, seed: int = 0) -> list[dict[str, Any]]:
+    """ShareGPT records whose prompts say nothing about the length and whose answers
+    announce it ("Here are 12 tips") and number their items: a partial output shows
+    how much is left, a prompt does not."""
+    rng = random.Random(seed)
+    records = []
+    for index in range(num_conversations):
+        topic = rng.choice(_TOPICS)
+        num_items = rng.randint(3, 30)
+        items = [
+            f"{number}. " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(7, 10)))
+            for number in range(1, num_items + 1)
+        ]
+        answer = f"Here are {num_items} tips about {topic}:\n" + "\n".join(items)
+        answer += "\nI hope this helps!"
+        prompt = f"Give me tips about {topic}. [ref {index}]"
+        records.append({
+            "id": f"list-{seed}-{index}",
+            "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}],
+        })  # fmt: skip
+    return records

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import redis
 
-from blockq.config import AutoscaleOptions, ConfigError, Settings
+from blockq.config import AutoscaleOptions, ConfigError, MetricsEndpoint, Settings
 from blockq.engine_model.packed import PackedScheduler
 from blockq.keys import DECISION_FIELD, PAYLOAD_FIELD
+from blockq.metrics_server import serve_metrics
 from blockq.protocol import FinalRecord, RequestProgress, decode_reply_entry, encode
 from blockq.streams import connect_async
 from blockq.supervisor import ChildSpec, Supervisor, WorkerScaling
@@ -80,7 +81,7 @@ def test_options_name_the_field() -> None:
     assert autoscale_options(parser.parse_args([])) is None
     cases = [(["--min-instances", "0"], "min_instances"), (["--max-instances", "0"], "max_instances"),
              (["--cooldown-s", "700"], "reversal_hold_s"), (["--cycle-s", "0"], "cycle_s"),
-             (["--max-step-fraction", "1.5"], "max_step_fraction"), (["--metrics-port", "70000"], "metrics_port")]
+             (["--max-step-fraction", "1.5"], "max_step_fraction")]
     for argv, field in cases:
         with pytest.raises(ConfigError, match=field):
             autoscale_options(parser.parse_args(["--autoscale", "predictive", *argv]))
@@ -109,8 +110,7 @@ async def test_leader_writes_decisions_runs_the_hook_and_serves_metrics(
         settings: Settings, sync_redis: redis.Redis, tmp_path: Path) -> None:
     hook_file = tmp_path / "targets"
     options = AutoscaleOptions("reactive", min_instances=1, max_instances=4, cooldown_s=0, reversal_hold_s=0,
-                               cycle_s=1.0, startup_s=5.0, scale_command=f"echo {{n}} >> {hook_file}",
-                               metrics_port=0)
+                               cycle_s=1.0, startup_s=5.0, scale_command=f"echo {{n}} >> {hook_file}")
     sync_redis.set(settings.keys.autoscaler_desired, 1)  # as the supervisor seeds it
     client = connect_async(settings.redis_url)
     dispatcher = create_dispatcher(client, settings, "round_robin", dispatcher_id="d-auto", autoscale=options)
@@ -120,6 +120,8 @@ async def test_leader_writes_decisions_runs_the_hook_and_serves_metrics(
     dispatcher.clock = lambda: clock[0]
     autoscaling = dispatcher.autoscaling
     assert autoscaling is not None and autoscaling.metrics is not None and autoscaling.command is not None
+    # The autoscaler's metrics are served with the dispatcher's, on one port.
+    server = await serve_metrics(dispatcher.metrics.registry, MetricsEndpoint(0))
     try:
         _beat(sync_redis, settings, "a", 1, num_waiting=3)  # a queue: the reactive rule wants 3
         await _step_at(dispatcher, clock, start_s)
@@ -146,14 +148,17 @@ async def test_leader_writes_decisions_runs_the_hook_and_serves_metrics(
         assert autoscaling.snapshot(start_s + 2.3, 0).num_provisioned == 1
         await autoscaling.command.wait_idle()
         assert hook_file.read_text().split() == ["2", "1"]
-        with urllib.request.urlopen(f"http://127.0.0.1:{autoscaling.metrics.port}/metrics", timeout=5) as reply:
+        # The server runs in this loop: read it from another thread.
+        with await asyncio.to_thread(urllib.request.urlopen, server.url, timeout=5) as reply:
             text = reply.read().decode()
         assert "blockq_autoscaler_desired_instances 1.0" in text
         assert "blockq_autoscaler_current_instances 2.0" in text
         assert 'blockq_autoscaler_actions_total{direction="up"} 1.0' in text
         assert 'blockq_autoscaler_actions_total{direction="down"} 1.0' in text
+        assert 'blockq_dispatcher_decisions_total{outcome="placed",policy="round_robin"} 0.0' in text
     finally:
         await autoscaling.close()
+        await server.close()
     # A new leader picks up the target and the cooldown clock from Redis.
     successor = create_dispatcher(client, settings, "round_robin", dispatcher_id="d-next",
                                   autoscale=AutoscaleOptions("reactive", cycle_s=1.0))

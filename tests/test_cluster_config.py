@@ -33,13 +33,17 @@ def worker_argvs(config: ClusterConfig) -> list[tuple[str, ...]]:
     return [argv for name, argv in config.child_argvs() if name.startswith("workers-")]
 
 
+def metrics_argv(port: int) -> tuple[str, ...]:
+    return ("--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+
+
 def test_emulated_worker_argv_is_unchanged() -> None:
     config = ClusterConfig(instances=8, instances_per_process=6, preset="llama2-7b-h100", time_scale=2.0, seed=3)
     assert worker_argvs(config) == [
         ("workers", "--instance-id", "inst", "--instances", "6", "--first-index", "0", "--preset", "llama2-7b-h100",
-         "--time-scale", "2.0", "--noise", "0.05", "--seed", "3"),
+         "--time-scale", "2.0", "--noise", "0.05", "--seed", "3", *metrics_argv(9402)),
         ("workers", "--instance-id", "inst", "--instances", "2", "--first-index", "6", "--preset", "llama2-7b-h100",
-         "--time-scale", "2.0", "--noise", "0.05", "--seed", "3"),
+         "--time-scale", "2.0", "--noise", "0.05", "--seed", "3", *metrics_argv(9403)),
     ]
 
 
@@ -54,7 +58,7 @@ def test_vllm_from_toml_runs_one_engine_per_worker_process(tmp_path: Path) -> No
                     "--kv-cache-bytes", "4000000000", "--gpu-memory-utilization", "0.3", "--max-model-len", "2048")
     assert worker_argvs(config) == [
         ("workers", "--instance-id", "inst", "--instances", "1", "--first-index", str(i), *vllm_options,
-         "--seed", "0") for i in range(3)]
+         "--seed", "0", *metrics_argv(9402 + i)) for i in range(3)]
     # The emulated engine's options do not reach a vLLM worker.
     assert not {"--preset", "--time-scale", "--noise"} & {arg for argv in worker_argvs(config) for arg in argv}
 
@@ -64,7 +68,7 @@ def test_vllm_from_overrides_passes_only_the_options_set() -> None:
                                             vllm_block_size=None)
     assert worker_argvs(config) == [
         ("workers", "--instance-id", "inst", "--instances", "1", "--first-index", str(i), "--engine", "vllm",
-         "--model", "m", "--max-model-len", "4096", "--seed", "0") for i in range(2)]
+         "--model", "m", "--max-model-len", "4096", "--seed", "0", *metrics_argv(9402 + i)) for i in range(2)]
     # Back to the emulated engine: its processes serve instances_per_process again.
     emulated = config.with_overrides(engine="emulated")
     assert emulated.num_worker_processes == 1 and "--preset" in worker_argvs(emulated)[0]
@@ -153,3 +157,21 @@ def test_up_autoscale_flags_start_at_the_minimum_and_name_bad_values(tmp_path: P
     path.write_text("[cluster.autoscale]\nmin_instance = 1\n")
     with pytest.raises(ConfigError, match=r"unknown keys in \[cluster.autoscale\]: min_instance"):
         ClusterConfig.from_toml(path)
+
+
+def test_a_refinement_model_serves_refine_on_the_predictor_and_points_the_workers_at_it() -> None:
+    config = ClusterConfig(instances=3, instances_per_process=2, refine_model="models/refine",
+                           predictor_http_port=8123, refine_every_tokens=32)
+    argvs = dict(config.child_argvs())
+    predictor = argvs["predictor"]
+    assert predictor[predictor.index("--http-port") + 1] == "8123"
+    assert predictor[predictor.index("--refine-model") + 1] == "models/refine"
+    for name in ("workers-0", "workers-1"):
+        worker = argvs[name]
+        assert worker[worker.index("--refine-url") + 1] == "http://127.0.0.1:8123"
+        assert worker[worker.index("--refine-every-tokens") + 1] == "32"
+    assert "--refine-url" not in ClusterConfig().worker_child(0, 0, 1)[1]
+    with pytest.raises(ConfigError, match="predictor_http_port"):
+        ClusterConfig(refine_model="m", gateway=True, gateway_port=8100)
+    with pytest.raises(ConfigError, match="refine_every_tokens"):
+        ClusterConfig(refine_every_tokens=0)

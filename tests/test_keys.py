@@ -45,3 +45,32 @@ def test_batch_key_names() -> None:
     assert keys.lease("j1") == "bq:batch:{j1}:lease"
     assert keys.cancel_flag("j1") == "bq:batch:{j1}:cancel"
     assert keys.recovery_lock("j1") == "bq:batch:{j1}:recover"
+
+
+@pytest.mark.parametrize(("key", "tag"), [
+    ("bq:out:{r1}", "r1"), ("{bq}:out:{r1}", "bq"), ("bq:req", None), ("{}:x:{y}", None),
+    ("a{b", None), ("a}b{c}", "c"), ("{a}{b}", "a"),
+])
+def test_hash_tag_is_what_redis_cluster_hashes(key: str, tag: str | None) -> None:
+    from blockq.keys import hash_tag
+
+    assert hash_tag(key) == tag
+
+
+def test_tagged_prefix_puts_every_key_in_one_slot() -> None:
+    from redis.crc import key_slot
+
+    from blockq.keys import BatchKeys
+
+    keys, batch = Keys("{bq}:"), BatchKeys("{bq}:")
+    assert keys.hash_tag == "bq" and Keys().hash_tag is None
+    assert keys.instance_queue("gpu-3") == "{bq}:inst:{gpu-3}" and keys.reply("r1") == "{bq}:out:{r1}"
+    assert batch.rq_key_prefix == "{bq}:rq" and BatchKeys().rq_key_prefix == "bq:rq"
+    names = [keys.requests, keys.ready, keys.done, keys.heartbeats, keys.dead_letters, keys.cancellations,
+             keys.instances, keys.dispatcher_lease, keys.autoscaler_desired, keys.autoscaler_drain,
+             keys.autoscaler_decisions, keys.instance_queue("a"), keys.reply("r"), keys.owner("r"),
+             keys.final_flag("r"), keys.cancel_flag("r"), keys.submitted("r"), batch.queue_name,
+             batch.results("j"), batch.lease("j"), f"{batch.rq_key_prefix}:job:j", f"rq:queue:{batch.queue_name}"]
+    assert {key_slot(name.encode()) for name in names} == {key_slot(b"bq")}
+    # Without a tag, they spread over the slots (and a transaction over them is CROSSSLOT).
+    assert len({key_slot(name.encode()) for name in (Keys().requests, Keys().ready, Keys().reply("r"))}) == 3

@@ -16,6 +16,7 @@ import structlog
 
 from blockq.config import Settings
 from blockq.keys import GROUP_FEEDBACK, PAYLOAD_FIELD
+from blockq.metrics_server import render_text
 from blockq.protocol import DoneRecord, Request, decode_request, encode
 from blockq.streams import connect_async
 from blockq.tokenizer import get_token_counter
@@ -26,7 +27,7 @@ from predictor_service.feedback import (
     FeedbackConsumer,
     FeedbackOptions,
 )
-from predictor_service.http_api import PredictorHttpApi, render_metrics
+from predictor_service.http_api import PredictorHttpApi
 from predictor_service.manifest import Manifest
 from predictor_service.models import PredictionInput, load_predictor
 from predictor_service.models.fast import FastLengthModel
@@ -122,7 +123,7 @@ async def test_accuracy_alert_fires_when_predictions_are_bad(
     assert alerts[0]["value"] < 0.65 and alerts[0]["served_version"] == "v1"
     assert feedback.alert_kind_to_num_alerts[ACCURACY_DROP] == 1
     stage = PredictorStage(client, settings, load_predictor("heuristic"), get_token_counter())
-    text = render_metrics(PredictorHttpApi(stage, get_token_counter(), stage=stage, feedback=feedback))
+    text = render_text(PredictorHttpApi(stage, get_token_counter(), stage=stage, feedback=feedback).registry)
     assert 'blockq_predictor_alerts_total{kind="accuracy_drop"} 1' in text
     assert "blockq_predictor_rolling_acc50_ratio 0" in text
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -25,30 +24,9 @@ from predictor_service.refine_eval import evaluate_refine_file
 from predictor_service.refine_training import RefineTrainOptions, train_refine_file, training_cuts
 from predictor_service.synthetic import write_sharegpt
 from predictor_service.training import train
+from tests.factories import list_conversations
 
-_TOPICS = ("chess", "coffee", "gardening", "the moon", "jazz", "volcanoes", "bread", "bees")
-_WORDS = ("the", "water", "light", "simple", "change", "time", "world", "idea", "good", "small")
 SMALL_FIT = RefineFitConfig(num_rounds=150, spread_num_rounds=60, min_data_in_leaf=10)
-
-
-def _list_conversations(num_conversations: int, seed: int = 0) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    records = []
-    for index in range(num_conversations):
-        topic = rng.choice(_TOPICS)
-        num_items = rng.randint(3, 30)
-        items = [
-            f"{number}. " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(7, 10)))
-            for number in range(1, num_items + 1)
-        ]
-        answer = f"Here are {num_items} tips about {topic}:\n" + "\n".join(items)
-        answer += "\nI hope this helps!"
-        prompt = f"Give me tips about {topic}. [ref {index}]"
-        records.append({
-            "id": f"list-{seed}-{index}",
-            "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}],
-        })  # fmt: skip
-    return records
 
 
 pytestmark = pytest.mark.usefixtures("stdlib_logging")
@@ -57,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("stdlib_logging")
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_sharegpt(
-        tmp_path_factory.mktemp("data") / "lists.json.gz", _list_conversations(500)
+        tmp_path_factory.mktemp("data") / "lists.json.gz", list_conversations(500)
     )
 
 

@@ -177,7 +177,8 @@ def test_sharegpt_truncated_gzip(tmp_path: Path) -> None:
     requests = load_trace(str(path), token_counter=WordCounter())
     assert [r.trace_id for r in requests] == ["a", "c"]
     assert requests[0] == TraceRequest(
-        prompt="tell me a story", prompt_tokens=4, true_output_tokens=6, trace_id="a"
+        prompt="tell me a story", prompt_tokens=4, true_output_tokens=6, trace_id="a",
+        output_text="once upon a time there was",
     )
     assert requests[1].true_output_tokens == 1
 

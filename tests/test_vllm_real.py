@@ -26,6 +26,7 @@ from blockq.client import Client
 from blockq.keys import Keys
 from blockq.protocol import decode_heartbeat
 from blockq.state import ClusterState
+from loadgen.external_bench import BENCH_SERVE
 from tests.conftest import run_blockq, wait_until
 
 pytest.importorskip("vllm")
@@ -208,11 +209,6 @@ def test_kill_9_of_a_vllm_worker_loses_nothing_and_leaves_no_orphan(cluster: dic
     # The supervisor restarts the worker; the cluster is whole again.
     wait_until(lambda: json.loads(run_blockq("status", "--json", env=cluster["env"]).stdout)["num_live_instances"] == 2,
                timeout_s=300.0, interval_s=2.0)
-
-
-BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-               "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-               "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
 
 
 def _sharegpt_file(path: Path, num_conversations: int, rng: random.Random) -> Path:

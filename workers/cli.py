@@ -12,9 +12,12 @@ import asyncio
 
 import structlog
 
+from blockq.metrics_server import add_metrics_arguments, metrics_endpoint_from_args, serving_metrics
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import connect_async
 from workers.engines.vllm import VllmEngineOptions  # imports vLLM only to build one
+from workers.metrics import WorkerMetrics
+from workers.refinement import DEFAULT_REFINE_EVERY_TOKENS
 from workers.worker import InstanceWorker, WorkerFailed, WorkerOptions
 
 log = structlog.get_logger(__name__)
@@ -35,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle-size", type=int, default=16, help="max queue entries per read")
     parser.add_argument("--stream-interval-ms", type=float, default=50.0, help="min ms between output chunks")
     parser.add_argument("--model", default=None, help="model path for --engine vllm")
+    parser.add_argument("--refine-url", default=None,
+                        help="the predictor's HTTP API (served with --refine-model): beats report running "
+                             "requests' remaining lengths refined from their partial output")
+    parser.add_argument("--refine-every-tokens", type=int, default=DEFAULT_REFINE_EVERY_TOKENS,
+                        help="ask for a refinement every this many generated tokens")
+    add_metrics_arguments(parser)  # one server for every instance of the process (label instance_id)
     vllm = parser.add_argument_group("vLLM engine (None: vLLM's default; what it chose is read back)")
     vllm.add_argument("--max-num-seqs", type=int, default=VllmEngineOptions.max_num_seqs)
     vllm.add_argument("--max-num-batched-tokens", type=int, default=VllmEngineOptions.max_num_batched_tokens)
@@ -72,16 +81,20 @@ def run(args: argparse.Namespace) -> int:
     if args.instances is not None and args.instances < 1:
         raise SystemExit("--instances: must be >= 1")
     ids = instance_ids(args)
+    endpoint = metrics_endpoint_from_args(args)
 
     async def main(stop: asyncio.Event) -> None:
         client = connect_async(settings.redis_url, max_connections=64 * len(ids))
-        options = WorkerOptions(bundle_size=args.bundle_size, stream_interval_ms=args.stream_interval_ms)
-        workers = [InstanceWorker(client, settings, instance_id, build_engine(args, i), options)
+        options = WorkerOptions(bundle_size=args.bundle_size, stream_interval_ms=args.stream_interval_ms,
+                                refine_url=args.refine_url,
+                                refine_every_tokens=args.refine_every_tokens)
+        metrics = WorkerMetrics()
+        workers = [InstanceWorker(client, settings, instance_id, build_engine(args, i), options, metrics)
                    for i, instance_id in enumerate(ids)]
         try:
             # A task group: one worker failing cancels the others instead of leaving them
             # serving in a process about to exit.
-            async with asyncio.TaskGroup() as group:
+            async with serving_metrics(metrics.registry, endpoint, "worker"), asyncio.TaskGroup() as group:
                 for worker in workers:
                     group.create_task(worker.run(stop), name=f"worker-{worker.instance_id}")
         finally:

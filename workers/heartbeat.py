@@ -6,8 +6,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from blockq.protocol import MAX_HEARTBEAT_REQUESTS, Heartbeat
+from blockq.protocol import MAX_HEARTBEAT_REQUESTS, Heartbeat, RequestProgress
 from workers.engines.base import Engine, EngineStepOutput
+from workers.refinement import RefinementSource, with_refinement
 
 MAX_STEP_SAMPLES = 64
 MAX_FINISHED_IDS = 512
@@ -15,12 +16,16 @@ MAX_FINISHED_IDS = 512
 
 class HeartbeatBuilder:
     """Collects step samples and finished requests between beats; ``build`` empties them.
-    ``clock`` gives a beat's ``sent_at_s`` (wall seconds; a simulation passes its own)."""
+    ``clock`` gives a beat's ``sent_at_s`` (wall seconds; a simulation passes its own).
+    With ``refinements``, each request reports its latest remaining-length refinement
+    instead of its first guess (:mod:`workers.refinement`)."""
 
-    def __init__(self, instance_id: str, engine: Engine, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, instance_id: str, engine: Engine, *, clock: Callable[[], float] = time.time,
+                 refinements: RefinementSource | None = None) -> None:
         self.instance_id = instance_id
         self.engine = engine
         self.clock = clock
+        self.refinements = refinements
         self.seq = 0
         self._samples: deque[tuple[int, int, int, float, int]] = deque(maxlen=MAX_STEP_SAMPLES)
         self._finished: deque[str] = deque(maxlen=MAX_FINISHED_IDS)
@@ -38,6 +43,8 @@ class HeartbeatBuilder:
 
     def build(self, state: str, recent_lag_ms: Iterable[float]) -> Heartbeat:
         running, waiting, num_used_blocks = self.engine.progress()
+        if self.refinements is not None:
+            running, waiting = _refined(running, self.refinements), _refined(waiting, self.refinements)
         lags = sorted(recent_lag_ms)
         lag_p99_ms = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0
         self.seq += 1
@@ -55,3 +62,9 @@ class HeartbeatBuilder:
         self._finished.clear()
         self._finished_sizes.clear()
         return beat
+
+
+def _refined(progress: list[RequestProgress], source: RefinementSource) -> list[RequestProgress]:
+    every_tokens = source.every_tokens
+    return [with_refinement(item, source.refined(item.request_id, item.num_generated_tokens))
+            if item.num_generated_tokens >= every_tokens else item for item in progress]

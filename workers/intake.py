@@ -9,19 +9,30 @@ from dataclasses import dataclass
 
 from blockq.protocol import Request
 from workers.engines.base import Engine, EngineRequestSpec
+from workers.refinement import DEFAULT_REFINE_EVERY_TOKENS
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
+    """``refine_url``: the predictor's HTTP API to ask for remaining-length refinements
+    (``POST /refine``, every ``refine_every_tokens`` generated tokens); None: beats carry
+    first guesses only."""
+
     bundle_size: int = 16
     stream_interval_ms: float = 50.0
     idle_poll_ms: int = 50
+    refine_url: str | None = None
+    refine_every_tokens: int = DEFAULT_REFINE_EVERY_TOKENS
 
     def __post_init__(self) -> None:
         if self.bundle_size < 1:
             raise ValueError(f"bundle_size: must be >= 1 (got {self.bundle_size})")
         if self.stream_interval_ms < 0:
             raise ValueError(f"stream_interval_ms: must be >= 0 (got {self.stream_interval_ms})")
+        if self.refine_every_tokens < 1:
+            raise ValueError(f"refine_every_tokens: must be >= 1 (got {self.refine_every_tokens})")
+        if self.refine_url is not None and not self.refine_url.startswith(("http://", "https://")):
+            raise ValueError(f"refine_url: must be an http:// or https:// URL (got {self.refine_url!r})")
 
 
 def bundle_room(options: WorkerOptions, engine: Engine, max_in_flight: int, num_in_flight: int) -> int:
@@ -52,4 +63,4 @@ def engine_spec(request: Request) -> EngineRequestSpec:
         stop=request.stop, ignore_eos=request.ignore_eos or request.true_output_tokens is not None,
         min_tokens=request.min_tokens, true_output_tokens=request.true_output_tokens,
         predicted_output_tokens=prediction.predicted_output_tokens if prediction else None,
-        p90_tokens=prediction.p90_tokens if prediction else None)
+        p90_tokens=prediction.p90_tokens if prediction else None, output_text=request.trace_output_text)

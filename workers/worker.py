@@ -50,6 +50,9 @@ from blockq.streams import GroupConsumer, StreamEntry
 from workers.engines.base import Engine, EngineStepOutput
 from workers.heartbeat import HeartbeatBuilder
 from workers.intake import WorkerOptions, bundle_room, engine_spec
+from workers.metrics import InstanceMetrics, WorkerMetrics
+from workers.refine_client import RefinementClient
+from workers.refinement import RefinementBook
 from workers.replies import Answer, InFlight, ReplyWriter, record_step_output, resume_from
 
 log = structlog.get_logger(__name__)
@@ -88,7 +91,9 @@ class InstanceWorker:
     """Serves one engine instance."""
 
     def __init__(self, client: aioredis.Redis, settings: Settings, instance_id: str, engine: Engine,
-                 options: WorkerOptions | None = None) -> None:
+                 options: WorkerOptions | None = None, metrics: WorkerMetrics | None = None) -> None:
+        """``metrics``: the process's metrics, shared by its instances (default: a
+        registry of this worker's own)."""
         self.client = client
         self.settings = settings
         self.instance_id = instance_id
@@ -101,7 +106,10 @@ class InstanceWorker:
                                       settings=settings)
         self.in_flight: dict[str, InFlight] = {}
         self.replies = ReplyWriter(settings, instance_id, engine.time_scale)
-        self.beats = HeartbeatBuilder(instance_id, engine, clock=time.time)
+        self.refiner = (RefinementClient(self.options.refine_url, RefinementBook(self.options.refine_every_tokens))
+                        if self.options.refine_url else None)
+        self.beats = HeartbeatBuilder(instance_id, engine, clock=time.time,
+                                      refinements=self.refiner.book if self.refiner else None)
         self.stats = WorkerStats()
         self.draining = False
         self._work_arrived = asyncio.Event()
@@ -113,6 +121,7 @@ class InstanceWorker:
         self._recent_cancels: dict[str, None] = {}  # insertion-ordered, bounded
         # Requests handed to the engine and not yet ACKed: at most one engine's worth.
         self.max_in_flight = int(engine.engine_config().get("max_num_seqs") or 1)
+        self.metrics: InstanceMetrics = (metrics or WorkerMetrics()).attach(self)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -124,6 +133,8 @@ class InstanceWorker:
         tasks = [asyncio.create_task(self._intake_loop(stop), name=f"intake-{self.instance_id}"),
                  asyncio.create_task(self._cancel_loop(stop), name=f"cancel-{self.instance_id}"),
                  asyncio.create_task(self._heartbeat_loop(), name=f"beat-{self.instance_id}")]
+        if self.refiner is not None:
+            tasks.append(asyncio.create_task(self.refiner.run(stop), name=f"refine-{self.instance_id}"))
         for task in tasks:
             task.add_done_callback(functools.partial(self._watch_loop, stop))
         try:
@@ -174,7 +185,10 @@ class InstanceWorker:
                     return
                 self.stats.lag_ms.append(output.lag_ms)
                 self.beats.record_step(output)
+                self.metrics.record_step(output)
                 await self._write_outputs(output)
+                if self.refiner is not None:
+                    self.refiner.collect(self.in_flight)
             elif self._to_answer or self._cancels_to_apply:
                 await self._write_outputs(None)
                 if self._to_answer:  # a final record's write failed: retry, not in a hot loop
@@ -406,6 +420,8 @@ class InstanceWorker:
         self.in_flight.pop(request_id, None)
         self._to_answer.pop(request_id, None)
         self.beats.record_finished(request_id)
+        if self.refiner is not None:
+            self.refiner.book.forget(request_id)
 
     def _count(self, flight: InFlight, outcome: str) -> None:
         if outcome != "answered":
@@ -420,6 +436,7 @@ class InstanceWorker:
         else:
             self.stats.num_finished += 1
             self.beats.record_answered(flight.prompt_tokens, flight.num_answered_tokens)
+            self.metrics.record_answered(flight)
 
     # --- cancellation and heartbeats ----------------------------------------------------
 
@@ -456,6 +473,7 @@ class InstanceWorker:
 
     async def publish_heartbeat(self, state: str) -> None:
         beat = self.beats.build(state, self.stats.lag_ms)
+        self.metrics.record_beat(beat)
         payload = encode(beat)
         pipe = self.client.pipeline(transaction=False)
         pipe.xadd(self.keys.heartbeats, {PAYLOAD_FIELD: payload}, maxlen=20_000, approximate=True)

@@ -14,9 +14,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import redis
-
-from blockq.batch.jobs import batch_status, default_errors_path, fetch_batch_job, submit_batch
+from blockq.batch.jobs import (
+    batch_status,
+    default_errors_path,
+    fetch_batch_job,
+    rq_connection,
+    submit_batch,
+)
 from blockq.batch.runner import BatchOptions
 from blockq.service import add_common_arguments, settings_from_args
 
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
-    connection = redis.Redis.from_url(settings.redis_url or "")
+    connection = rq_connection(settings)
     with tempfile.TemporaryDirectory(prefix="blockq-batch-bench-") as tmp:
         input_path, output_path = Path(tmp) / "input.jsonl", Path(tmp) / "results.jsonl"
         write_bench_input(input_path, args.lines, args.max_tokens)

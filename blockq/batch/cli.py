@@ -6,8 +6,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from blockq.batch.keys import use_rq_key_prefix
+from blockq.config import Settings
 from blockq.service import add_common_arguments, settings_from_args
 
 
@@ -31,20 +34,25 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_submit)
 
 
-def cmd_submit(args: argparse.Namespace) -> int:
-    import redis
+def _settings(args: argparse.Namespace) -> Settings:
+    """The command's settings; rq's key namespace chosen for them before rq is imported."""
+    settings = settings_from_args(args)
+    use_rq_key_prefix(settings)
+    return settings
 
-    from blockq.batch.jobs import default_errors_path, submit_batch
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    from blockq.batch.jobs import default_errors_path, rq_connection, submit_batch
     from blockq.batch.runner import BatchOptions
 
-    settings = settings_from_args(args)
     output_path = args.out.resolve()
     options = BatchOptions(
         input_path=str(args.input.resolve()), output_path=str(output_path),
         errors_path=str((args.errors or default_errors_path(output_path)).resolve()), priority=args.priority,
         tenant=args.tenant, max_rate_per_s=args.max_rate, concurrency=args.concurrency,
         request_timeout_s=args.request_timeout_s, chat_template=args.chat_template)
-    connection = redis.Redis.from_url(settings.redis_url or "")
+    connection = rq_connection(settings)
     try:
         job = submit_batch(connection, settings, options)
         report = {"job_id": job.id, "status": str(job.get_status(refresh=False).value), "total": job.meta["total"],
@@ -64,12 +72,10 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
 
 
 def _with_job(args: argparse.Namespace, action: Any) -> int:
-    import redis
+    settings = _settings(args)
+    from blockq.batch.jobs import BatchJobNotFound, rq_connection
 
-    from blockq.batch.jobs import BatchJobNotFound
-
-    settings = settings_from_args(args)
-    connection = redis.Redis.from_url(settings.redis_url or "")
+    connection = rq_connection(settings)
     try:
         report = action(connection, settings)
     except BatchJobNotFound as exc:
@@ -83,10 +89,15 @@ def _with_job(args: argparse.Namespace, action: Any) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from blockq.batch.jobs import batch_status
+def _jobs() -> ModuleType:
+    """:mod:`blockq.batch.jobs`, imported (and rq with it) once rq's key namespace is set."""
+    from blockq.batch import jobs
 
-    return _with_job(args, lambda connection, settings: batch_status(connection, settings, args.job_id))
+    return jobs
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    return _with_job(args, lambda connection, settings: _jobs().batch_status(connection, settings, args.job_id))
 
 
 def _add_cancel(sub: argparse._SubParsersAction) -> None:
@@ -99,9 +110,8 @@ def _add_cancel(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from blockq.batch.jobs import cancel_batch
-
-    return _with_job(args, lambda connection, settings: cancel_batch(connection, settings, args.job_id, args.wait_s))
+    return _with_job(args, lambda connection, settings: _jobs().cancel_batch(connection, settings, args.job_id,
+                                                                             args.wait_s))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -113,10 +123,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    settings = _settings(args)
     from blockq.batch.worker import run_worker
     from blockq.logs import configure_logging
 
-    settings = settings_from_args(args)
     configure_logging(settings.log_level, "batch-worker")
     return run_worker(settings, burst=args.burst, name=args.name)
 

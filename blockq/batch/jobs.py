@@ -15,15 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import rq.defaults
 from rq import Queue
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from blockq.batch.keys import BatchKeys
+from blockq.batch.keys import RQ_KEY_PREFIX_ENV, BatchKeys
 from blockq.batch.lines import count_lines
 from blockq.batch.runner import RESULTS_TTL_S, BatchOptions
 from blockq.config import ConfigError, Settings
+from blockq.keys import hash_tag
+from blockq.redis_url import parse_redis_url
+from blockq.streams import connect, connect_pinned
 
 JOB_FUNCTION = "blockq.batch.runner.execute_batch_job"
 DEFAULT_JOB_TIMEOUT_S = 7 * 24 * 3600
@@ -34,6 +38,24 @@ JOB_SERIALIZER = JSONSerializer
 
 class BatchJobNotFound(LookupError):
     """No batch job with that id on this cluster's batch queue."""
+
+
+def rq_connection(settings: Settings) -> redis.Redis:
+    """The client rq runs on, for ``settings.redis_url``. rq needs a plain client (it reads
+    the client's connection pool): on Redis Cluster that is one pinned to the slot of the
+    key prefix's hash tag (:func:`blockq.streams.connect_pinned`), which holds the batch
+    keys and, when rq's namespace carries the same tag, rq's keys (see
+    :func:`blockq.batch.keys.use_rq_key_prefix`; ConfigError when it does not);
+    elsewhere :func:`blockq.streams.connect`'s client."""
+    url = settings.redis_url or ""
+    if not parse_redis_url(url).is_cluster:
+        return connect(url)
+    rq_prefix = rq.defaults.RQ_KEY_PREFIX
+    if hash_tag(rq_prefix) != settings.keys.hash_tag:
+        raise ConfigError(f"batch jobs on Redis Cluster: rq's keys must share blockq's hash tag; set "
+                          f"{RQ_KEY_PREFIX_ENV}={BatchKeys(settings.key_prefix).rq_key_prefix} before rq is "
+                          f"imported (it is {rq_prefix!r})")
+    return connect_pinned(url, rq_prefix)
 
 
 def batch_queue(connection: redis.Redis, settings: Settings) -> Queue:

@@ -36,6 +36,7 @@ from blockq.gateway.chat_template import load_chat_template
 from blockq.gateway.openai_requests import RequestDefaults
 from blockq.gateway.openai_responses import completion_body
 from blockq.protocol import PRIORITIES
+from blockq.streams import connect
 
 log = structlog.get_logger(__name__)
 
@@ -319,7 +320,7 @@ def execute_batch_job(options: dict[str, Any]) -> dict[str, Any]:
     if job is None:
         raise RuntimeError("execute_batch_job runs inside an rq worker")
     settings = Settings.from_env()
-    client = redis.Redis.from_url(settings.redis_url or "")
+    client = connect(settings.redis_url or "")
     lease = LeaseKeeper(client, BatchKeys(settings.key_prefix).lease(job.id), lease_s_from_env())
     lease.start()
 

@@ -35,7 +35,7 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.worker import WorkerStatus
 
-from blockq.batch.jobs import JOB_SERIALIZER
+from blockq.batch.jobs import JOB_SERIALIZER, rq_connection
 from blockq.batch.keys import BatchKeys
 from blockq.batch.runner import lease_s_from_env
 from blockq.config import Settings
@@ -159,8 +159,8 @@ def run_worker(settings: Settings, *, burst: bool = False, name: str | None = No
     The jobs it runs see its settings through ``BLOCKQ_REDIS_URL`` / ``BLOCKQ_KEY_PREFIX``."""
     os.environ["BLOCKQ_REDIS_URL"] = settings.redis_url or ""
     os.environ["BLOCKQ_KEY_PREFIX"] = settings.key_prefix
-    connection = redis.Redis.from_url(settings.redis_url or "")
-    recovery = AbandonedJobRecovery(redis.Redis.from_url(settings.redis_url or ""), settings, lease_s_from_env())
+    connection = rq_connection(settings)
+    recovery = AbandonedJobRecovery(rq_connection(settings), settings, lease_s_from_env())
     recovery.scan_once()
     recovery.start()
     keys = BatchKeys(settings.key_prefix)

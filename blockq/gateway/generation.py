@@ -191,19 +191,27 @@ class GenerationCall:
             await response.write(pending + event)
             pending = b""
 
+        # A choice's opening (the chat role chunk, or the echoed prompt) goes out with its
+        # first token, as vLLM's server sends it: benchmark clients time the first token
+        # by the first chunk with choices, and an opening sent at placement would read as one.
+        unopened = set(range(self.plan.num_choices))
+
+        def opened(index: int, event: bytes) -> bytes:
+            if index not in unopened:
+                return event
+            unopened.discard(index)
+            opening = builder.opening(index)
+            return (_sse(opening) if opening is not None else b"") + event
+
         try:
             pending = await self._placement_comments()
-            openings = [builder.opening(index) for index in range(self.plan.num_choices)]
-            opening_events = [_sse(opening) for opening in openings if opening is not None]
-            if opening_events:
-                await write(b"".join(opening_events))
             async for index, item in merged_stream(self.handles, self.timeout_s):
                 if isinstance(item, Chunk):
                     if is_first:
                         self.metrics.first_chunk.observe(time.perf_counter() - self.started_at_s,
                                                          endpoint=self.endpoint)
                         is_first = False
-                    await write(_sse(builder.text(index, item.text)))
+                    await write(opened(index, _sse(builder.text(index, item.text))))
                     continue
                 finals[index] = item
                 self._account(item)
@@ -211,7 +219,7 @@ class GenerationCall:
                     error = self._failure(item)
                     await write(_sse(error_body(error.message, error.error_type, code=error.code)))
                 else:
-                    await write(_sse(builder.finish(index, item)))
+                    await write(opened(index, _sse(builder.finish(index, item))))
         except TimeoutError:
             self._cancel_unfinished()
             await write(_sse(error_body(f"no result within {self.timeout_s:g} s; the request was "

@@ -40,6 +40,7 @@ from blockq.gateway.openai_requests import (
     parse_chat_request,
     parse_completion_request,
 )
+from blockq.metrics_server import metrics_response
 from blockq.protocol import ValidationError, decode_heartbeat
 
 log = structlog.get_logger(__name__)
@@ -62,6 +63,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.background: set[asyncio.Task[Any]] = set()
         self.num_in_flight = 0
+        self.metrics.in_flight.set_function(lambda: self.num_in_flight)
         self.started_at_s = int(time.time())
         self._instance_models: tuple[str, ...] = ()
         self._models_read_at_s = -math.inf
@@ -210,9 +212,7 @@ class Gateway:
         return web.json_response({"status": "ok", "redis": True, "in_flight": self.num_in_flight})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        self.metrics.in_flight.set(self.num_in_flight)
-        return web.Response(text=self.metrics.render(), content_type="text/plain",
-                            headers={"x-content-type-options": "nosniff"}, charset="utf-8")
+        return metrics_response(self.metrics.registry, request)
 
     async def models(self, request: web.Request) -> web.Response:
         self.tenant_of(request)

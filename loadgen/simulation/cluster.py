@@ -31,6 +31,7 @@ from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.instance import SimulatedInstance
 from workers.engines.emulated import EmulatedEngineOptions
 from workers.intake import WorkerOptions
+from workers.refinement import RefinementSource
 
 # Event kinds, in the order same-time events are handled.
 _STEP_END, _INTAKE, _ENQUEUE, _BEAT, _BEAT_ARRIVES, _ARRIVE, _DISPATCH_DONE, _SCALE = range(8)
@@ -54,8 +55,9 @@ class ClusterResult:
 class ClusterSimulation:
     """One run: ``run(arrivals)`` with (arrival time s, annotated request) pairs."""
 
-    def __init__(self, config: SimulationConfig) -> None:
+    def __init__(self, config: SimulationConfig, *, refinements: RefinementSource | None = None) -> None:
         self.config = config
+        self.refinements = refinements  # running requests' refined lengths, as workers report them
         self.now_s = 0.0
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
@@ -82,7 +84,7 @@ class ClusterSimulation:
                                         time_scale=config.time_scale, seed=self._rng.randrange(2**31))
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instance's wall clock
         instance = self.instances[instance_id] = SimulatedInstance.create(
-            instance_id, options, self._worker_options, clock)
+            instance_id, options, self._worker_options, clock, self.refinements)
         # Beats start at a random phase, as independently started workers do.
         self._push(up_at_s + self._rng.random() * config.heartbeat_ms / 1000, _BEAT, instance_id)
         return instance

@@ -29,6 +29,7 @@ from blockq.protocol import FinalRecord, Heartbeat, Request
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 from workers.heartbeat import HeartbeatBuilder
 from workers.intake import WorkerOptions, bundle_room, engine_spec
+from workers.refinement import RefinementSource
 from workers.replies import InFlight, final_record, record_step_output
 
 
@@ -59,16 +60,18 @@ class SimulatedInstance:
     counters: InstanceCounters = field(default_factory=InstanceCounters)
     beats: HeartbeatBuilder = field(init=False)
     max_in_flight: int = field(init=False)
+    refinements: RefinementSource | None = None  # what its beats report of running requests' lengths
     _step: StepResult | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.beats = HeartbeatBuilder(self.instance_id, self.engine, clock=self.clock)
+        self.beats = HeartbeatBuilder(self.instance_id, self.engine, clock=self.clock, refinements=self.refinements)
         self.max_in_flight = int(self.engine.engine_config().get("max_num_seqs") or 1)
 
     @classmethod
     def create(cls, instance_id: str, engine_options: EmulatedEngineOptions, worker_options: WorkerOptions,
-               clock: Callable[[], float]) -> SimulatedInstance:
-        return cls(instance_id, EmulatedEngine(engine_options, clock=clock), worker_options, clock)
+               clock: Callable[[], float], refinements: RefinementSource | None = None) -> SimulatedInstance:
+        return cls(instance_id, EmulatedEngine(engine_options, clock=clock), worker_options, clock,
+                   refinements=refinements)
 
     # --- intake -------------------------------------------------------------------------
 

@@ -4,13 +4,11 @@ prediction error, for noise curves), each cluster's configuration, and the progr
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tqdm import tqdm
-
+from blockq.progress import ProgressBar
 from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies import policy_spec
 from loadgen.simulation.config import SimulationConfig
@@ -24,11 +22,11 @@ from loadgen.simulation.workload import (
 
 
 class Progress:
-    """A tqdm bar over every request of every run (stderr), and the events counted."""
+    """A bar over every request of every run on stderr (periodic lines when stderr is not a
+    terminal: :mod:`blockq.progress`), and the events counted."""
 
     def __init__(self, total_requests: int, enabled: bool) -> None:
-        self.bar = tqdm(total=total_requests, unit="req", disable=not enabled, file=sys.stderr,
-                        mininterval=0.5, dynamic_ncols=True)
+        self.bar = ProgressBar(total_requests, unit="req", enabled=enabled)
         self.num_events = 0
         self.num_runs = 0
         self.simulating_s = 0.0  # wall time inside the simulations (not loading, predicting, reports)
@@ -93,7 +91,8 @@ class Plan:
                            burstiness=self.args.burstiness, use_trace_times=self.args.trace_times,
                            on_progress=progress.callback(label))
         progress.add_run(run.summary["events"], time.perf_counter() - started)
-        run.summary.update(predictor=self.args.predictor, trace=self.args.trace, length_mae_tokens=mae_tokens)
+        run.summary.update(predictor=self.args.predictor, trace=self.args.trace, length_mae_tokens=mae_tokens,
+                           refine_model=self.args.refine_model)
         return run
 
 
@@ -111,4 +110,17 @@ def build_plan(args: argparse.Namespace) -> Plan:
         trace_requests = sample_trace(args.trace, args.requests, seed, redraw=args.seeds is not None)
         samples[seed] = annotate_sample(trace_requests, seed, predictor=args.predictor,
                                         predictor_model=args.predictor_model)
+    if args.refine_model:
+        samples = _refined(samples, args.refine_model, args.refine_every_tokens)
     return Plan(args, samples)
+
+
+def _refined(samples: dict[int, AnnotatedSample], refine_model: str, every_tokens: int
+             ) -> dict[int, AnnotatedSample]:
+    from loadgen.simulation.refinement import TRUTH, refine_sample, refine_sample_with_truth
+    from predictor_service.models.refine import RefineModel
+
+    if refine_model == TRUTH:
+        return {seed: refine_sample_with_truth(sample, every_tokens) for seed, sample in samples.items()}
+    model = RefineModel.load(refine_model)
+    return {seed: refine_sample(sample, model, every_tokens) for seed, sample in samples.items()}

@@ -30,7 +30,7 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
     fields (``policy``, ``rate``, ``instances``, ``preset``, ``seed``), plus ``events``
     and ``steps`` (what the simulation did); ``lag_p99_ms`` is None (virtual time has no lag)."""
     schedule = arrivals_for(sample, rate_per_s=rate_per_s, burstiness=burstiness, use_trace_times=use_trace_times)
-    simulation = ClusterSimulation(config)
+    simulation = ClusterSimulation(config, refinements=sample.refinements)
     origin_s = config.warmup_s  # the first request is submitted after the warm-up
     arrivals = [(offset_s, submitted(request, origin_s + offset_s * config.time_scale, best_effort=config.best_effort))
                 for offset_s, index in schedule

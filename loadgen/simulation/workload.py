@@ -25,6 +25,7 @@ from loadgen.replay import ReplayOptions, max_tokens_for
 from loadgen.traces import TraceRequest, load_trace
 from predictor_service.models import LengthPredictor, load_predictor
 from predictor_service.stage import StageOptions, annotate, prediction_inputs
+from workers.refinement import RefinementTable
 
 log = structlog.get_logger(__name__)
 
@@ -32,12 +33,15 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class AnnotatedSample:
     """Trace requests and their annotated :class:`Request` (same order); ``rejected``:
-    indexes the predictor could not annotate, with the reason (dead-lettered live)."""
+    indexes the predictor could not annotate, with the reason (dead-lettered live);
+    ``refinements``: what the instances' beats report once requests run, when refined."""
 
     trace_requests: tuple[TraceRequest, ...]
     requests: tuple[Request | None, ...]
     rejected: dict[int, str]
     seed: int
+    # Remaining-length refinements at each checkpoint (loadgen.simulation.refinement), or None.
+    refinements: RefinementTable | None = None
 
 
 def sample_trace(trace: str, num_requests: int, seed: int, *, redraw: bool) -> list[TraceRequest]:

@@ -51,7 +51,8 @@ class TraceRequest:
     (after clipping to ``max_model_len``); the emulated engine ends the request there.
     ``arrival_offset_s`` is the trace's own timestamp relative to its first returned
     request, or None when the trace has no times. ``predicted_output_tokens`` is a
-    prediction shipped with the trace, None when there is none.
+    prediction shipped with the trace, None when there is none. ``output_text`` is the
+    recorded answer when the trace has text (ShareGPT), else None.
     """
 
     prompt: str | tuple[int, ...]
@@ -60,6 +61,7 @@ class TraceRequest:
     arrival_offset_s: float | None = None
     predicted_output_tokens: int | None = None
     trace_id: str = ""
+    output_text: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

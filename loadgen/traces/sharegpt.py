@@ -66,6 +66,7 @@ def read_sharegpt(
                     prompt_tokens=prompt_tokens,
                     true_output_tokens=fitted[0],
                     trace_id=pair.conversation_id,
+                    output_text=pair.answer,
                 )
             )
         if limit is not None and len(requests) >= limit:

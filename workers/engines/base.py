@@ -60,6 +60,7 @@ class EngineRequestSpec:
     predicted_output_tokens: int | None = None
     p90_tokens: int | None = None
     prefix_block_hashes: tuple[int, ...] = ()
+    output_text: str | None = None  # a trace's recorded answer: what the emulated engine streams
 
 
 class Engine(Protocol):

@@ -6,6 +6,9 @@ Requests end at ``true_output_tokens`` when they carry one (trace replay), else 
 ``max_tokens`` with ``ignore_eos``, else at an EOS drawn from a lognormal length
 distribution; never before ``min_tokens``, never beyond ``max_tokens`` nor past
 ``max_model_len``. All times it reports are model time (wall time / ``time_scale``).
+A request that carries its trace's recorded answer (``output_text``) streams that answer's
+tokens (the project tokenizer's), so that what a worker sees of a partial output is real;
+others stream filler words.
 
 ``lag_ms`` per step is how late the event loop woke up against the step's scheduled
 end: an overloaded host shows up there instead of silently stretching the results.
@@ -23,6 +26,7 @@ from typing import Any
 
 from blockq.engine_model import EngineRequest, EngineScheduler, StepResult, get_preset
 from blockq.protocol import RequestProgress
+from blockq.tokenizer import AnswerTokenizer
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 
 _WORDS = ("the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "with", "on",
@@ -81,6 +85,9 @@ class EmulatedEngine:
         self._specs: dict[str, EngineRequestSpec] = {}
         self._num_preemptions_total = 0
         self._num_emitted: dict[str, int] = {}
+        # A trace's recorded answer, token by token (streamed instead of filler text).
+        self._token_texts: dict[str, list[str]] = {}
+        self._tokenizer: AnswerTokenizer | None = None
 
     # --- Engine protocol ----------------------------------------------------------------
 
@@ -122,10 +129,13 @@ class EmulatedEngine:
             prefix_block_hashes=spec.prefix_block_hashes))
         self._specs[spec.request_id] = spec
         self._num_emitted[spec.request_id] = 0
+        if spec.output_text and self.options.stream_tokens:
+            self._token_texts[spec.request_id] = self._answer_tokens(spec.output_text)
 
     def abort_request(self, request_id: str) -> bool:
         self._specs.pop(request_id, None)
         self._num_emitted.pop(request_id, None)
+        self._token_texts.pop(request_id, None)
         return self.scheduler.abort_request(request_id)
 
     def num_admittable(self) -> int:
@@ -191,7 +201,7 @@ class EmulatedEngine:
             num_emitted = self._num_emitted[request_id]
             self._num_emitted[request_id] = num_emitted + 1
             reason = self._finish_reason(request_id, spec, num_emitted + 1) if request_id in finished else None
-            events.append(TokenEvent(request_id, synthetic_token_text(num_emitted), 1,
+            events.append(TokenEvent(request_id, self._token_text(request_id, num_emitted), 1,
                                      request_id in first, reason is not None, reason))
         return tuple(events)
 
@@ -215,7 +225,20 @@ class EmulatedEngine:
     def _finish_reason(self, request_id: str, spec: EngineRequestSpec, num_output_tokens: int) -> str:
         """Why a finished request stopped; forgets it."""
         del self._specs[request_id], self._num_emitted[request_id]
+        self._token_texts.pop(request_id, None)
         return "length" if num_output_tokens >= spec.max_tokens else "stop"
+
+    def _answer_tokens(self, text: str) -> list[str]:
+        if self._tokenizer is None:
+            self._tokenizer = AnswerTokenizer()  # loaded on the first replayed answer only
+        return self._tokenizer.token_texts(text)
+
+    def _token_text(self, request_id: str, index: int) -> str:
+        """Output token ``index``: the recorded answer's, or filler past it / without one."""
+        texts = self._token_texts.get(request_id)
+        if texts is not None and index < len(texts):
+            return texts[index]
+        return synthetic_token_text(index)
 
     def _progress(self, request: EngineRequest) -> RequestProgress:
         spec = self._specs.get(request.request_id)

@@ -1,0 +1,267 @@
+"""The Kubernetes manifests (deploy/kubernetes/), offline: every resource validates against
+the Kubernetes schemas of a pinned version (``kubernetes-validate``, strict: unknown fields
+are errors), and the resources agree with each other and with blockq: Services select pods
+that exist and name ports they open, every ConfigMap / Secret key referenced exists,
+container args are real flags of blockq's commands (parsed by ``blockq.cli.build_parser``),
+probes hit the health endpoints those args serve, and the settings parse as blockq parses
+them."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from blockq.cli import build_parser
+from blockq.config import Settings
+from blockq.gateway.config import gateway_config_from_env
+from blockq.redis_url import parse_redis_url
+from tests.conftest import REPO_ROOT
+
+K8S_VERSION = "1.30.0"
+MANIFEST_DIR = REPO_ROOT / "deploy" / "kubernetes"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+METRICS_PORT = 9400
+# The HTTP port and health path each command serves, as its args say (flag, path).
+HEALTH_ENDPOINTS = {"gateway": ("port", "/healthz"), "predictor": ("http_port", "/healthz"),
+                    "dispatcher": ("metrics_port", "/metrics"), "worker": ("metrics_port", "/metrics")}
+
+
+def _kustomization() -> dict[str, Any]:
+    return yaml.safe_load((MANIFEST_DIR / "kustomization.yaml").read_text())
+
+
+def _load() -> list[tuple[str, dict[str, Any]]]:
+    documents = []
+    for name in _kustomization()["resources"]:
+        for document in yaml.safe_load_all((MANIFEST_DIR / name).read_text()):
+            if document:
+                documents.append((name, document))
+    return documents
+
+
+DOCUMENTS = _load()
+
+
+def _named(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for _, d in DOCUMENTS if d["kind"] == kind}
+
+
+def _workloads() -> list[dict[str, Any]]:
+    return [d for _, d in DOCUMENTS if d["kind"] in WORKLOAD_KINDS]
+
+
+def _containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    return workload["spec"]["template"]["spec"]["containers"]
+
+
+def _blockq_containers() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return [(w, c) for w in _workloads() for c in _containers(w) if c.get("command") == ["blockq"]]
+
+
+def _secret_data(secret: dict[str, Any]) -> dict[str, str]:
+    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    return {**data, **(secret.get("stringData") or {})}
+
+
+def _source_data(kind: str, name: str) -> dict[str, str]:
+    """The keys of the ConfigMap or Secret ``name`` (KeyError: no such object)."""
+    if kind == "configMap":
+        return dict(_named("ConfigMap")[name].get("data") or {})
+    return _secret_data(_named("Secret")[name])
+
+
+def _container_env(workload: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it (``env`` over ``envFrom``);
+    ``metadata.name`` is the workload's first pod's name."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(_source_data("configMap", source["configMapRef"]["name"]))
+        else:
+            env.update(_source_data("secret", source["secretRef"]["name"]))
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+            continue
+        ref = var["valueFrom"]
+        if "fieldRef" in ref:
+            assert ref["fieldRef"]["fieldPath"] == "metadata.name"
+            env[var["name"]] = f"{workload['metadata']['name']}-0"
+        elif "configMapKeyRef" in ref:
+            env[var["name"]] = _source_data("configMap", ref["configMapKeyRef"]["name"])[ref["configMapKeyRef"]["key"]]
+        else:
+            env[var["name"]] = _source_data("secret", ref["secretKeyRef"]["name"])[ref["secretKeyRef"]["key"]]
+    return env
+
+
+def _expanded_args(workload: dict[str, Any], container: dict[str, Any]) -> list[str]:
+    """The args with ``$(VAR)`` replaced as Kubernetes does (from the container's env)."""
+    env = _container_env(workload, container)
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], arg) for arg in container["args"]]
+
+
+def _container_port(container: dict[str, Any], port: int | str) -> int:
+    """The number of ``port`` (a number, or one of the container's port names)."""
+    if isinstance(port, int):
+        assert port in [p["containerPort"] for p in container.get("ports", [])], port
+        return port
+    by_name = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+    assert port in by_name, f"{container['name']} has no port named {port!r}"
+    return by_name[port]
+
+
+# --- the manifests as Kubernetes reads them ---------------------------------------------------
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = _kustomization()["resources"]
+    on_disk = sorted(p.name for p in MANIFEST_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(listed) == on_disk
+    assert len(set(listed)) == len(listed)
+    keys = [(d["kind"], d["metadata"]["name"]) for _, d in DOCUMENTS]
+    assert len(set(keys)) == len(keys), "two resources of one kind share a name"
+    assert {d["metadata"].get("namespace", "blockq") for _, d in DOCUMENTS if d["kind"] != "Namespace"} == {"blockq"}
+
+
+@pytest.mark.parametrize(("name", "document"), DOCUMENTS,
+                         ids=[f"{name}:{d['kind']}/{d['metadata']['name']}" for name, d in DOCUMENTS])
+def test_manifest_validates_against_the_kubernetes_schema(name: str, document: dict[str, Any]) -> None:
+    assert kubernetes_validate.validate(document, K8S_VERSION, strict=True) == "1.30"
+
+
+def test_the_schema_check_catches_mistakes() -> None:
+    deployment = copy.deepcopy(_named("Deployment")["blockq-dispatcher"])
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    deployment = copy.deepcopy(_named("Deployment")["blockq-dispatcher"])
+    deployment["spec"]["replicas"] = "2"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+# --- cross-references --------------------------------------------------------------------------
+
+def test_workloads_select_their_own_pods() -> None:
+    for workload in _workloads():
+        selector = workload["spec"]["selector"]["matchLabels"]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), workload["metadata"]["name"]
+
+
+def test_services_select_pods_that_open_their_ports() -> None:
+    for name, service in _named("Service").items():
+        selector = service["spec"]["selector"]
+        matched = [w for w in _workloads() if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matched) == 1, f"service {name} selects {len(matched)} workloads"
+        containers = _containers(matched[0])
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert any(target in [p.get("name"), p["containerPort"]] for c in containers for p in c.get("ports", [])), \
+                f"service {name}: no container port {target!r}"
+
+
+def test_statefulsets_have_headless_governing_services() -> None:
+    services = _named("Service")
+    for name, statefulset in _named("StatefulSet").items():
+        service = services[statefulset["spec"]["serviceName"]]
+        assert service["spec"]["clusterIP"] == "None", name
+        assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_every_referenced_config_key_secret_key_and_claim_exists() -> None:
+    claims = set(_named("PersistentVolumeClaim"))
+    for workload in _workloads():
+        for container in _containers(workload):
+            _container_env(workload, container)  # KeyError on a missing object or key
+        template_claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+        for volume in volumes.values():
+            if "configMap" in volume:
+                data = _source_data("configMap", volume["configMap"]["name"])
+                assert all(item["key"] in data for item in volume["configMap"].get("items", []))
+            if "secret" in volume:
+                _source_data("secret", volume["secret"]["secretName"])
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+        for container in _containers(workload):
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes or mount["name"] in template_claims, mount["name"]
+
+
+def test_redis_scripts_sourced_and_run_exist_and_parse() -> None:
+    scripts = _source_data("configMap", "blockq-redis-scripts")
+    redis = _named("StatefulSet")["blockq-redis"]
+    for container in _containers(redis):
+        assert container["command"][0] == "sh" and Path(container["command"][1]).name in scripts
+    for name, text in scripts.items():
+        for sourced in re.findall(r"^\s*\. /scripts/(\S+)", text, flags=re.MULTILINE):
+            assert sourced in scripts, f"{name} sources a missing {sourced}"
+    if shutil.which("sh") is None:
+        pytest.skip("no sh to check the scripts' syntax")
+    for name, text in scripts.items():
+        result = subprocess.run(["sh", "-n"], input=text, capture_output=True, text=True, timeout=10)
+        assert result.returncode == 0, f"{name}: {result.stderr}"
+
+
+# --- agreement with blockq ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(("workload", "container"), _blockq_containers(),
+                         ids=[w["metadata"]["name"] for w, _ in _blockq_containers()])
+def test_container_args_are_real_blockq_flags(workload: dict[str, Any], container: dict[str, Any]) -> None:
+    args = build_parser().parse_args(_expanded_args(workload, container))  # exits on an unknown flag
+    command = args.command
+    assert command in HEALTH_ENDPOINTS, command
+    flag, path = HEALTH_ENDPOINTS[command]
+    served_port = int(getattr(args, flag))
+    if path == "/metrics":
+        assert served_port == METRICS_PORT and args.metrics_host == "0.0.0.0"
+    probes = [container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in container]
+    assert {"readinessProbe", "livenessProbe"} <= container.keys()
+    for probe in probes:
+        assert probe["httpGet"]["path"] == path, (command, probe)
+        assert _container_port(container, probe["httpGet"]["port"]) == served_port, (command, probe)
+
+
+def test_settings_parse_as_blockq_parses_them() -> None:
+    redis_pods = _named("StatefulSet")["blockq-redis"]
+    sentinel = next(c for c in _containers(redis_pods) if c["name"] == "sentinel")
+    sentinel_env = _container_env(redis_pods, sentinel)
+    for workload, container in _blockq_containers():
+        env = _container_env(workload, container)
+        settings = Settings.from_env(env)
+        target = parse_redis_url(settings.redis_url or "")
+        # The Sentinel form, pointing at the Sentinels of redis-sentinel.yaml.
+        assert target.kind == "sentinel" and target.service_name == sentinel_env["SENTINEL_SERVICE"]
+        pods = {f"{redis_pods['metadata']['name']}-{i}.{redis_pods['spec']['serviceName']}"
+                for i in range(redis_pods["spec"]["replicas"])}
+        assert {host for host, _ in target.nodes} == pods
+        assert {port for _, port in target.nodes} == {_container_port(sentinel, "sentinel")}
+        assert target.password == _source_data("secret", "blockq-secrets")["redis-password"]
+        if env.get("BLOCKQ_GATEWAY_API_KEYS"):
+            args = build_parser().parse_args(_expanded_args(workload, container))
+            config = gateway_config_from_env(env, host=args.host, port=args.port)
+            assert config.auth_required and config.host == "0.0.0.0"
+
+
+def test_one_gpu_per_worker_pod_and_stable_instance_ids() -> None:
+    workers = _named("StatefulSet")["blockq-worker"]
+    (container,) = _containers(workers)
+    for section in ("requests", "limits"):
+        assert str(container["resources"][section]["nvidia.com/gpu"]) == "1"
+    args = build_parser().parse_args(_expanded_args(workers, container))
+    assert args.instance_id == "blockq-worker-0" and args.instances is None  # the pod's own name
+    # Draining takes as long as the longest request: the kubelet must wait for it.
+    assert workers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 300
+
+
+def test_two_dispatchers_one_leader() -> None:
+    assert _named("Deployment")["blockq-dispatcher"]["spec"]["replicas"] == 2
