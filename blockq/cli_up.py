@@ -60,6 +60,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         p.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
     p.add_argument("--enforce-eager", dest="vllm_enforce_eager", action="store_true", default=None,
                    help="vLLM without graph capture or compilation (a fast start-up)")
+    p.add_argument("--prefix-caching", action="store_true", default=None,
+                   help="every instance reuses cached prompt prefixes (emulated: counted hits; vLLM: "
+                        "enable_prefix_caching=True)")
     p.add_argument("--predictor", dest="predictor_backend", default=None, help="predictor backend (default heuristic)")
     p.add_argument("--predictor-model", default=None, help="trained predictor directory")
     add_refine_arguments(p, defaults=False)
@@ -100,6 +103,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         redis_maxmemory=args.redis_maxmemory, engine=args.engine, model=args.model,
         metrics_base_port=args.metrics_base_port, metrics_host=args.metrics_host,
         refine_model=args.refine_model, refine_every_tokens=args.refine_every_tokens,
+        prefix_caching=args.prefix_caching,
         **{name: value for name, value in vars(args).items() if name.startswith("vllm_")})
 
 

@@ -21,6 +21,10 @@ through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or com
 for a fast start-up),
 and ``preset``, ``time_scale`` and ``noise`` (the emulated engine's) are not used.
 
+``prefix_caching = true`` turns on every instance's prefix cache (``workers
+--prefix-caching``): the emulated engines reuse cached prompt blocks and count hits; vLLM
+gets ``enable_prefix_caching=True`` (false leaves vLLM's default, which is on in V1).
+
 With a ``[cluster.autoscale]`` table (or ``blockq up --autoscale``) the dispatcher leader
 sizes the fleet (:class:`blockq.config.AutoscaleOptions`: ``scaler``, ``min_instances``,
 ``max_instances``, ``startup_s``, ``cycle_s``, ``cooldown_s``, ...) and the supervisor
@@ -91,6 +95,7 @@ class ClusterConfig:
     vllm_max_model_len: int | None = None
     vllm_max_num_seqs: int | None = None
     vllm_enforce_eager: bool = False
+    prefix_caching: bool = False
     autoscale: AutoscaleOptions | None = None
     metrics_base_port: int = DEFAULT_METRICS_BASE_PORT
     metrics_host: str = "127.0.0.1"
@@ -123,6 +128,8 @@ class ClusterConfig:
             raise ConfigError(f"engine: must be one of {', '.join(ENGINES)} (got {self.engine!r})")
         if self.engine == "vllm" and not self.model:
             raise ConfigError("model: required with engine vllm (a model path or name)")
+        if not isinstance(self.prefix_caching, bool):
+            raise ConfigError(f"prefix_caching: must be true or false (got {self.prefix_caching!r})")
         for name in ("vllm_block_size", "vllm_kv_cache_bytes", "vllm_max_model_len", "vllm_max_num_seqs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -297,9 +304,10 @@ class ClusterConfig:
 
     def _engine_argv(self) -> list[str]:
         """The worker options that choose and configure its engine."""
+        prefix = ["--prefix-caching"] if self.prefix_caching else []
         if self.engine == "emulated":
-            return ["--preset", self.preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise)]
-        argv = ["--engine", "vllm", "--model", str(self.model)]
+            return ["--preset", self.preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise), *prefix]
+        argv = ["--engine", "vllm", "--model", str(self.model), *prefix]
         for option, value in (("--block-size", self.vllm_block_size), ("--kv-cache-bytes", self.vllm_kv_cache_bytes),
                               ("--gpu-memory-utilization", self.vllm_gpu_memory_utilization),
                               ("--max-model-len", self.vllm_max_model_len),

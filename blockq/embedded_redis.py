@@ -98,13 +98,18 @@ class EmbeddedRedis:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server (SIGTERM: Redis flushes the AOF and exits)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout_s)
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM a server process and wait for it; SIGKILL it past ``timeout_s``."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def read_or_create_password(data_dir: Path) -> str:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from blockq.keys import Keys
+from blockq.prefix import PREFIX_BLOCK_TOKENS
 
 SCHEMA_VERSION = 1
 PRIORITIES = ("interactive", "batch")
@@ -189,6 +190,9 @@ class Request:
     with text (the emulated engine streams its tokens, so the partial output is real). ``ignore_eos`` and ``min_tokens`` are vLLM's sampling
     extensions: generate past EOS (to ``max_tokens``), and not stop (on EOS or a stop
     sequence) before ``min_tokens`` output tokens (at most ``max_tokens``).
+    ``prompt_block_hashes``: the chained hashes of the prompt's full
+    :data:`~blockq.prefix.PREFIX_BLOCK_TOKENS`-token blocks (:mod:`blockq.prefix`), added
+    with the prediction; what prefix-cache lookups are keyed by (empty: none computed).
     """
 
     id: str
@@ -210,6 +214,7 @@ class Request:
     true_output_tokens: int | None = None
     trace_predicted_output_tokens: int | None = None
     trace_output_text: str | None = None
+    prompt_block_hashes: tuple[int, ...] = ()
     prediction: Prediction | None = None
     assignment: Assignment | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
@@ -276,6 +281,7 @@ class Request:
             true_output_tokens=_optional_int(data, "true_output_tokens", 1),
             trace_predicted_output_tokens=_optional_int(data, "trace_predicted_output_tokens", 0),
             trace_output_text=_optional_text(data, "trace_output_text", limits.max_prompt_chars),
+            prompt_block_hashes=_decode_block_hashes(data, limits),
             prediction=Prediction.from_map(prediction) if prediction is not None else None,
             assignment=Assignment.from_map(assignment) if assignment is not None else None,
         )
@@ -316,6 +322,19 @@ def _decode_prompt(data: Mapping[str, Any], limits: ProtocolLimits) -> str | tup
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in prompt):
         raise ValidationError("prompt", "token ids must be integers in [0, 2**31)")
     return tuple(prompt)
+
+
+def _decode_block_hashes(data: Mapping[str, Any], limits: ProtocolLimits) -> tuple[int, ...]:
+    # One hash per full block, so never more than the longest token-id prompt has blocks.
+    hashes = _get(data, "prompt_block_hashes", (list, tuple), required=False)
+    if not hashes:
+        return ()
+    max_hashes = limits.max_prompt_token_ids // PREFIX_BLOCK_TOKENS + 1
+    if len(hashes) > max_hashes:
+        raise ValidationError("prompt_block_hashes", f"must have at most {max_hashes} entries (got {len(hashes)})")
+    if not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**63 for h in hashes):
+        raise ValidationError("prompt_block_hashes", "entries must be integers in [0, 2**63)")
+    return tuple(hashes)
 
 
 def _decode_stop(data: Mapping[str, Any], limits: ProtocolLimits) -> tuple[str, ...]:

@@ -217,3 +217,16 @@ def iter_pairs(
         yield from pairs_of_conversation(
             record, record_index=record_index, first_turn_only=first_turn_only
         )
+
+
+def iter_sessions(path: str | os.PathLike[str]) -> Iterator[list[SharegptPair]]:
+    """Yield each conversation's human->gpt pairs as one list (a session), in file order.
+
+    Every pair of the leading strictly alternating part, oldest first, each with its
+    ``history``; conversations that do not start human->gpt are skipped. Truncated files
+    are handled as in :func:`iter_conversations`.
+    """
+    for record_index, record in enumerate(iter_conversations(path)):
+        pairs = pairs_of_conversation(record, record_index=record_index, first_turn_only=False)
+        if pairs:
+            yield pairs

@@ -27,6 +27,7 @@ from blockq.engine_model.presets import PRESETS
 from blockq.health import HealthPolicy
 from blockq.protocol import Heartbeat, Request
 from dispatcher.lengths import check_length_mode
+from dispatcher.prefix_index import PrefixIndex
 from dispatcher.replica import InstanceReplica
 
 
@@ -47,6 +48,8 @@ class InstanceView:
     # its last beat that said otherwise: its queue is re-placed once per departure.
     left_reported: bool = False
     drain_reported: bool = False    # whether refresh_health reported it draining (once per drain)
+    # What its prefix cache is believed to hold (instances whose beats say prefix caching is on).
+    prefix_index: PrefixIndex | None = None
 
     @property
     def config(self) -> EngineConfig:
@@ -134,6 +137,8 @@ class ClusterView:
         view.heartbeat = beat
         view.last_beat_at_s = heard_at_s
         view.health = beat.state
+        if view.prefix_index is None and beat.engine_config.get("enable_prefix_caching"):
+            view.prefix_index = PrefixIndex(max(1, int(beat.engine_config.get("num_gpu_blocks") or 1)))
         if beat.state != "stopped":
             view.left_reported = False
         if beat.state not in ("draining", "stopped"):
@@ -156,10 +161,11 @@ class ClusterView:
                 or beat.latency_model != view.heartbeat.latency_model)
 
     def _create_replica(self, view: InstanceView, now_wall_s: float) -> None:
-        # Replicas do not model prefix-cache hits: they simulate every prompt's full
-        # prefill, an upper bound on the work an instance with the cache does.
+        # The packed replica has no block cache of its own: a new request's predicted hit
+        # (the view's prefix index) shortens the prefill it is simulated with instead.
         config = replace(view.config, enable_prefix_caching=False)
-        view.replica = InstanceReplica(config, _latency_model(view.heartbeat), lengths=self.lengths)
+        view.replica = InstanceReplica(config, _latency_model(view.heartbeat), lengths=self.lengths,
+                                       prefix_index=view.prefix_index)
         self._rebuild(view, now_wall_s)
 
     def _rebuild(self, view: InstanceView, now_wall_s: float) -> None:
@@ -212,6 +218,8 @@ class ClusterView:
             view.replica.add_assignment(request)
         view.assigned_not_seen[request.id] = request
         view.num_assigned_total += 1
+        if view.prefix_index is not None and request.prompt_block_hashes:
+            view.prefix_index.record(request.prompt_block_hashes)
         if request.priority == "batch":
             view.batch_request_ids.add(request.id)
 

@@ -23,6 +23,7 @@ from dispatcher.cluster_view import InstanceView
 from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies import Policy, make_policy, make_view
 from dispatcher.priority import eligible_candidates
+from dispatcher.replica import prompt_tokens_of
 
 NUM_ANSWERED_SIZES = 2000
 
@@ -64,6 +65,10 @@ class CoreStats:
     num_held: int = 0
     num_rejected: int = 0
     num_infeasible: int = 0
+    # Prompt tokens of the requests placed, and those predicted cached where they went
+    # (instances with prefix caching: dispatcher.prefix_index).
+    num_placed_prompt_tokens: int = 0
+    num_predicted_cached_tokens: int = 0
     decision_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
 
 
@@ -191,6 +196,7 @@ class DispatcherCore:
                 instance_id=decision.instance_id, policy=self.policy.name, decided_at_s=now_s,
                 decision_ms=decision_ms, predicted_ttft_ms=decision.predicted_ttft_ms,
                 predicted_e2e_ms=decision.predicted_e2e_ms))
+            self._count_prompt(placed, self.view.instances[decision.instance_id])
             self.view.record_assignment(decision.instance_id, placed)
         except ValueError as exc:
             self.stats.num_rejected += 1
@@ -198,3 +204,11 @@ class DispatcherCore:
         self.stats.decision_ms.append(decision_ms)
         self.stats.num_placed += 1
         return Placed(placed)
+
+    def _count_prompt(self, request: Request, view: InstanceView) -> None:
+        """Before the placement is recorded: what the request finds cached there."""
+        prompt_tokens = prompt_tokens_of(request)
+        self.stats.num_placed_prompt_tokens += prompt_tokens
+        if view.prefix_index is not None and request.prompt_block_hashes:
+            self.stats.num_predicted_cached_tokens += view.prefix_index.cached_prompt_tokens(
+                request.prompt_block_hashes, prompt_tokens)

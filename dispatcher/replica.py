@@ -30,6 +30,7 @@ from blockq.engine_model.packed import PackedScheduler, RestoredRow
 from blockq.engine_model.packed_layout import FINISHED
 from blockq.protocol import Heartbeat, Request, RequestProgress
 from dispatcher.lengths import LengthBelief, belief_from_prediction, check_length_mode
+from dispatcher.prefix_index import PrefixIndex
 
 REFIT_EVERY_BEATS = 50
 MAX_REFIT_SAMPLES = 2000
@@ -79,9 +80,13 @@ def prompt_tokens_of(request: Request) -> int:
 class InstanceReplica:
     """A scheduler replica of one instance (model time), plus what it needs to rebuild."""
 
-    def __init__(self, config: EngineConfig, latency_model: StepLatencyModel, *, lengths: str = "median") -> None:
+    def __init__(self, config: EngineConfig, latency_model: StepLatencyModel, *, lengths: str = "median",
+                 prefix_index: PrefixIndex | None = None) -> None:
         self.config = config
         self.latency_model = latency_model
+        # The instance's believed prefix cache: a new request is simulated without the
+        # prompt tokens it would find cached there (None: no prefix caching).
+        self.prefix_index = prefix_index
         self.lengths = check_length_mode(lengths)  # which output lengths this replica simulates with
         self.scheduler = PackedScheduler(config, latency_model)
         self.beliefs: dict[str, LengthBelief] = {}
@@ -169,6 +174,8 @@ class InstanceReplica:
             return row[1], row[2]
         belief = self.beliefs.get(request.id) or belief_of(request)
         prompt_tokens = min(prompt_tokens_of(request), self.config.max_model_len - 1)
+        if self.prefix_index is not None and request.prompt_block_hashes:
+            prompt_tokens -= self.prefix_index.cached_prompt_tokens(request.prompt_block_hashes, prompt_tokens)
         output_tokens = belief.remaining_target(0, lengths or self.lengths)
         if lengths is None and request.id in self.beliefs:
             self._new_rows[request.id] = (request.id, prompt_tokens, output_tokens)

@@ -23,8 +23,9 @@ import structlog
 
 from blockq.client import AsyncClient
 from blockq.config import Settings
+from blockq.engine_model import get_preset
 from blockq.state import ClusterState
-from loadgen.arrivals import build_schedule
+from loadgen.arrivals import DEFAULT_THINK_TIME_S, build_schedule
 from loadgen.metrics import KvSample, RequestRecord, summarize
 from loadgen.plots import run_key
 from loadgen.replay import ReplayOptions, ReplayResult, replay
@@ -46,6 +47,8 @@ class BenchConfig:
     seed: int = 1
     burstiness: float = 1.0
     use_trace_times: bool = False
+    multi_turn: bool = False
+    think_time_s: float = DEFAULT_THINK_TIME_S
     time_scale: float = 1.0
     predictor: str = "heuristic"
     predictor_model: str | None = None
@@ -63,6 +66,8 @@ class BenchConfig:
             raise ValueError("rates: must be > 0 requests/s")
         if self.requests < 1:
             raise ValueError("requests: must be >= 1")
+        if not self.think_time_s >= 0:
+            raise ValueError("think_time_s: must be >= 0 seconds")
 
 
 @dataclass
@@ -106,7 +111,7 @@ def run_one(config: BenchConfig, policy: str, rate: float, requests: list[TraceR
             on_progress: Callable[[int, int], None] | None = None) -> RunOutput:
     """One fresh cluster, one replay at ``rate`` (model-time requests/s), one summary."""
     schedule = build_schedule(requests, rate_per_s=rate, burstiness=config.burstiness, seed=config.seed,
-                              use_trace_times=config.use_trace_times)
+                              use_trace_times=config.use_trace_times, think_time_s=config.think_time_s)
     with tempfile.TemporaryDirectory(prefix="blockq-bench-") as tmp:
         state_dir = Path(tmp)
         start_cluster(config, policy, state_dir)
@@ -133,7 +138,9 @@ async def _replay(redis_url: str, schedule: list[tuple[float, TraceRequest]], co
 
 
 def load_requests(config: BenchConfig) -> list[TraceRequest]:
-    requests = load_trace(config.trace, limit=config.requests, seed=config.seed)
+    # The trace's length policy is the engines': a long-context preset keeps long prompts.
+    requests = load_trace(config.trace, limit=config.requests, seed=config.seed, multi_turn=config.multi_turn,
+                          max_model_len=get_preset(config.preset).config.max_model_len)
     if len(requests) < config.requests:
         log.warning("trace_shorter_than_requested", trace=config.trace, available=len(requests),
                     requested=config.requests)

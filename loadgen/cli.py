@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from blockq.progress import run_progress_printer
+from loadgen.arrivals import DEFAULT_THINK_TIME_S
 from loadgen.bench import BenchConfig, load_requests, run_bench, run_one
 from loadgen.report import capacity_search, markdown_table, with_improvement_ratios, write_report
 from workers.refinement import add_refine_arguments
@@ -42,6 +43,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     parser.add_argument("--trace-times", action="store_true", help="use the trace's own timestamps (rescaled to the rate)")
+    parser.add_argument("--multi-turn", action="store_true",
+                        help="ShareGPT: every turn of each conversation, as sessions (prompts repeat the conversation so far)")
+    parser.add_argument("--think-time-s", type=float, default=DEFAULT_THINK_TIME_S,
+                        help="--multi-turn: mean seconds (exponential, model time) from a turn's arrival to the next's")
     parser.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per model second")
     parser.add_argument("--predictor", default="heuristic", help="fast | transformer | ensemble | heuristic | trace | oracle")
     parser.add_argument("--predictor-model", default=None)
@@ -58,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         trace=args.trace, instances=args.instances, instances_per_process=args.instances_per_process,
         preset=args.preset, policies=args.policies, rates=args.rates, requests=args.requests, seed=args.seed,
         burstiness=args.burstiness, use_trace_times=args.trace_times, time_scale=args.time_scale,
+        multi_turn=args.multi_turn, think_time_s=args.think_time_s,
         predictor=args.predictor, predictor_model=args.predictor_model, objective=args.objective,
         refine_model=args.refine_model, refine_every_tokens=args.refine_every_tokens,
         slo_ttft_ms=args.slo_ttft_ms, lag_bound_ms=args.lag_bound_ms, out_dir=args.out)

@@ -24,7 +24,7 @@ import argparse
 import asyncio
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 import structlog
@@ -32,6 +32,7 @@ import structlog
 from blockq.config import ConfigError, Settings
 from blockq.keys import GROUP_PREDICT, PAYLOAD_FIELD
 from blockq.metrics_server import add_metrics_arguments, metrics_endpoint_from_args, serving_metrics
+from blockq.prefix import prompt_block_hashes
 from blockq.protocol import Prediction, Request, ValidationError, decode_request, encode
 from blockq.service import add_common_arguments, run_service, settings_from_args
 from blockq.streams import GroupConsumer, StreamEntry, connect_async, default_consumer_name
@@ -165,13 +166,37 @@ def annotate(predictor: LengthPredictor, requests: Sequence[Request],
     """One model call for the batch: each request with its :class:`Prediction`, or the
     reason it could not be predicted (a bad request does not sink its batch, and no
     exception of the model escapes: an escaping one would crash the stage on the same
-    entries after every restart)."""
+    entries after every restart). Each annotated request also carries its
+    ``prompt_block_hashes`` (:mod:`blockq.prefix`; kept when it came with them), so they
+    are computed once, here, for the dispatcher and the engine alike."""
+    requests = _with_block_hashes(requests)
     try:
         predictions = predictor.predict(list(inputs))
     except Exception:
         return [_annotate_one(predictor, request, one) for request, one in zip(requests, inputs, strict=True)]
     return [request.with_prediction(_prediction(one, p, predictor.version))
             for request, one, p in zip(requests, inputs, predictions, strict=True)]
+
+
+def _with_block_hashes(requests: Sequence[Request]) -> list[Request]:
+    """``requests`` with their prompt block hashes (text prompts tokenized in one call).
+    A prompt the tokenizer fails on gets none: the hashes only help placement, so they
+    never cost a request its answer."""
+    prompts = [request.prompt for request in requests if not request.prompt_block_hashes]
+    try:
+        hashes = iter(prompt_block_hashes(prompts))
+    except Exception:
+        hashes = iter([_block_hashes_or_none(prompt) for prompt in prompts])
+    return [replace(request, prompt_block_hashes=next(hashes)) if not request.prompt_block_hashes else request
+            for request in requests]
+
+
+def _block_hashes_or_none(prompt: str | tuple[int, ...]) -> tuple[int, ...]:
+    try:
+        return prompt_block_hashes([prompt])[0]
+    except Exception as exc:
+        log.warning("prompt_block_hashes_failed", error=f"{type(exc).__name__}: {exc}")
+        return ()
 
 
 def _annotate_one(predictor: LengthPredictor, request: Request, one: PredictionInput) -> Request | str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import secrets
-import signal
 import socket
 import subprocess
 import time
@@ -28,6 +27,7 @@ from blockq.embedded_redis import (
     EmbeddedRedis,
     find_redis_server,
     start_embedded_redis,
+    stop_process,
 )
 from blockq.state import write_private_text
 
@@ -147,13 +147,7 @@ class SentinelProcess:
     data_dir: Path
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout_s)
 
 
 @dataclass

@@ -34,7 +34,7 @@ def test_invalid_values_name_the_field(fields: dict, named: str) -> None:
 
 
 def test_presets_and_overrides() -> None:
-    assert set(PRESETS) == {"llama2-7b-a30", "llama2-7b-a100", "llama2-7b-h100"}
+    assert set(PRESETS) == {"llama2-7b-a30", "llama2-7b-a100", "llama2-7b-h100", "llama3-8b-h100"}
     assert get_preset("llama2-7b-a30").config == EngineConfig()
     assert get_preset("llama2-7b-a100").config.num_gpu_blocks == kv_blocks_for_gpu_memory(80.0) == 7481
     preset = get_preset("llama2-7b-h100", max_num_seqs=24, max_num_batched_tokens=2048)

@@ -12,6 +12,7 @@ import pytest
 from loadgen.traces import (
     TraceRequest,
     detect_format,
+    group_sessions,
     load_trace,
     load_trace_with_stats,
 )
@@ -235,3 +236,108 @@ def test_unknown_inputs(tmp_path: Path) -> None:
     assert detect_format(headerless) == "mooncake"
     with pytest.raises(ValueError, match="missing columns"):
         load_trace(f"azure:{odd}")
+
+
+def _multi_turn_records() -> list[dict]:
+    def conversation(conversation_id: str, *texts: str) -> dict:
+        speakers = ("human", "gpt")
+        return {"id": conversation_id, "conversations": [
+            {"from": speakers[index % 2], "value": text} for index, text in enumerate(texts)]}
+
+    return [
+        conversation("s1", "hello there", "hi friend", "how are you", "fine thanks a lot"),
+        conversation("s2", "a b", "c", " ".join(["x"] * 13), "long", "y", "z"),
+        {"id": "skipped", "conversations": [{"from": "gpt", "value": "no human first"}]},
+        conversation("s4", "q", "", "r", "s"),
+        conversation("s5", "last one", "yes"),
+    ]
+
+
+def test_sharegpt_multi_turn_sessions(tmp_path: Path) -> None:
+    from blockq.gateway.chat_template import render_plain
+    from blockq.gateway.openai_requests import ChatMessage
+
+    path = tmp_path / "conversations.json"
+    path.write_text(json.dumps(_multi_turn_records()))
+    # s2's second turn quotes the first: 4 + 1 + 1 + 13 + 1 = 20 words >= 16.
+    loaded = load_trace_with_stats(str(path), token_counter=WordCounter(), max_model_len=16,
+                                   multi_turn=True)
+    requests = loaded.requests
+    assert [(r.session_id, r.turn_index) for r in requests] == [("s1", 0), ("s1", 1), ("s2", 0),
+                                                                ("s5", 0)]
+    first, second = requests[0], requests[1]
+    assert first.prompt == "user: hello there\nassistant:"
+    assert second.prompt == "user: hello there\nassistant: hi friend\nuser: how are you\nassistant:"
+    assert second.prompt == render_plain([
+        ChatMessage("user", "hello there"), ChatMessage("assistant", "hi friend"),
+        ChatMessage("user", "how are you")])  # what the gateway would send
+    assert second.prompt.startswith(first.prompt)
+    assert (second.prompt_tokens, second.true_output_tokens) == (11, 4)
+    assert second.output_text == "fine thanks a lot" and second.trace_id == "s1"
+    stats = loaded.stats
+    # s2: one kept, one too long, one dropped; s4: one malformed (empty answer), one dropped.
+    assert (stats.num_requests, stats.num_skipped_too_long, stats.num_skipped_invalid) == (4, 1, 1)
+    assert stats.num_dropped_session_turns == 2
+    assert stats.num_rows_read == 8
+    assert load_trace(str(path), token_counter=WordCounter(), max_model_len=16, multi_turn=True,
+                      limit=2) == requests[:2]
+    # Without the flag: first turns only, raw text, no sessions.
+    single = load_trace(str(path), token_counter=WordCounter(), max_model_len=16)
+    assert [(r.trace_id, r.prompt, r.session_id) for r in single][:2] == [
+        ("s1", "hello there", ""), ("s2", "a b", "")]
+
+
+def test_multi_turn_needs_conversations(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="multi_turn"):
+        load_trace("synthetic", limit=5, multi_turn=True)
+    mooncake = _write(tmp_path / "m.jsonl",
+                      '{"timestamp": 0, "input_length": 3, "output_length": 2, "hash_ids": [1]}\n')
+    with pytest.raises(ValueError, match="multi_turn"):
+        load_trace(str(mooncake), multi_turn=True)
+
+
+def test_group_sessions_orders_turns() -> None:
+    def request(session_id: str, turn_index: int) -> TraceRequest:
+        return TraceRequest(prompt="p", prompt_tokens=1, true_output_tokens=1,
+                            session_id=session_id, turn_index=turn_index)
+
+    requests = [request("b", 1), request("a", 0), request("", 0), request("b", 0)]
+    sessions = group_sessions(requests)
+    assert [[(r.session_id, r.turn_index) for r in turns] for turns in sessions] == [
+        [("b", 0), ("b", 1)], [("a", 0)], [("", 0)]]
+
+
+def test_sample_trace_draws_whole_sessions(tmp_path: Path) -> None:
+    from loadgen.simulation.workload import sample_trace
+
+    conversations = [{"id": f"c{i}", "conversations": [
+        {"from": ("human", "gpt")[turn % 2], "value": f"conversation {i} message {turn}"}
+        for turn in range(2 * (1 + i % 3))]} for i in range(12)]
+    path = tmp_path / "sessions.json"
+    path.write_text(json.dumps(conversations))
+    drawn = sample_trace(str(path), 15, 3, redraw=True, multi_turn=True)
+    assert len(drawn) == 15
+    assert drawn == sample_trace(str(path), 15, 3, redraw=True, multi_turn=True)
+    sessions = group_sessions(drawn)
+    for turns in sessions:  # contiguous, whole (the last may be cut), in turn order
+        assert [r.turn_index for r in turns] == list(range(len(turns)))
+    assert [r.session_id for r in drawn] == [r.session_id for turns in sessions for r in turns]
+    # More than the trace holds (24 turns): another pass, under new session ids.
+    more = sample_trace(str(path), 40, 3, redraw=True, multi_turn=True)
+    assert len(more) == 40 and len({id(r) for r in more}) == 40
+    assert all(len(turns) <= 3 for turns in group_sessions(more))
+
+
+def test_long_context_max_model_len_keeps_mooncake_prompts(tmp_path: Path) -> None:
+    from blockq.engine_model import get_preset
+    from loadgen.simulation.workload import sample_trace
+
+    lines = [{"timestamp": 1000 * i, "input_length": length, "output_length": 50,
+              "hash_ids": list(range(-(-length // 512)))}
+             for i, length in enumerate((6000, 30_000, 300, 120_000))]
+    path = _write(tmp_path / "long.jsonl", "\n".join(json.dumps(line) for line in lines) + "\n")
+    assert [r.prompt_tokens for r in sample_trace(str(path), 4, 1, redraw=False)] == [300]
+    max_model_len = get_preset("llama3-8b-h100").config.max_model_len
+    kept = sample_trace(str(path), 4, 1, redraw=False, max_model_len=max_model_len)
+    assert [r.prompt_tokens for r in kept] == [6000, 30_000, 300, 120_000]
+    assert kept[0].prompt[:5120] == kept[1].prompt[:5120]  # shared hash ids: shared prefix

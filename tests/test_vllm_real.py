@@ -262,3 +262,105 @@ def test_vllm_bench_serve_against_the_gateway_agrees_with_blockqs_records(
           f"blockq's records: TTFT {ttft_ms:.0f} ms, TPOT {tpot_ms:.1f} ms")
     assert abs(result["mean_ttft_ms"] - ttft_ms) <= max(150.0, 0.3 * ttft_ms)
     assert abs(result["mean_tpot_ms"] - tpot_ms) <= 0.3 * tpot_ms
+
+
+
+PREFIX_OUTPUT_TOKENS = 4
+PREFIX_COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total")
+
+
+def _prefix_phases(rng: random.Random) -> dict[str, list[list[int]]]:
+    """Requests sharing system prompts (lengths off the 32-token grid), one prompt twice
+    and one exactly three blocks long twice (vLLM recomputes its last block); then, past
+    the cache's 4,096 tokens, long distinct prompts and revisits of the first ones."""
+    systems = [_random_prompt(rng, n) for n in (200, 300, 96)]
+    shared = [systems[i % 3] + _random_prompt(rng, rng.randint(5, 80)) for i in range(12)]
+    shared += [list(shared[4]), list(systems[2]), list(systems[2])]
+    long_prompts = [_random_prompt(rng, n) for n in (700, 700, 700, 700, 700, 700, 350)]
+    return {"shared prefixes": shared,
+            "under eviction": long_prompts + [p[:650] + _random_prompt(rng, 20) for p in long_prompts[:3]]}
+
+
+def _prefix_counters(state: ClusterState) -> tuple[dict[str, Any], dict[str, int]]:
+    """The one instance's engine config and vLLM's prefix-cache counters, from its beat."""
+    (beat,) = _beats(state).values()
+    stats = beat.engine_stats or {}
+    return beat.engine_config, {name: int(stats.get(name, 0)) for name in PREFIX_COUNTERS}
+
+
+def _vllm_prefix_hits(state: ClusterState, prompts: list[list[int]], before: dict[str, int]) -> dict[str, int]:
+    """The prompts served one after the other by the vLLM instance; its counters after."""
+    with Client(state.redis_url) as client:
+        for prompt in prompts:
+            record = client.submit(prompt, max_tokens=PREFIX_OUTPUT_TOKENS, ignore_eos=True,
+                                   best_effort=True).result(timeout_s=120)
+            assert (record.status, record.output_tokens) == ("ok", PREFIX_OUTPUT_TOKENS)
+    num_queries = before["prefix_cache_queries_total"] + sum(map(len, prompts))
+
+    def counters_seen() -> dict[str, int] | None:  # within a beat or two of the last answer
+        counters = _prefix_counters(state)[1]
+        return counters if counters["prefix_cache_queries_total"] >= num_queries else None
+
+    after = wait_until(counters_seen, timeout_s=10.0, interval_s=0.05)
+    assert isinstance(after, dict)
+    return after
+
+
+def _model_prefix_hits(scheduler: Any, prompts: list[list[int]], block_size: int) -> tuple[int, int]:
+    """The prompts served one after the other by the reference scheduler: (queried, hit)
+    prompt tokens, counted as the emulated engine counts them."""
+    from blockq.engine_model import EngineRequest
+    from blockq.prefix import block_hashes
+    for index, prompt in enumerate(prompts):
+        scheduler.add_request(EngineRequest(f"p{index}", len(prompt), PREFIX_OUTPUT_TOKENS,
+                                            prefix_block_hashes=block_hashes(prompt, block_size)))
+        while scheduler.has_unfinished_requests:
+            scheduler.step()
+    return scheduler.prefix_cache_tokens
+
+
+def test_prefix_cache_hits_of_vllm_against_the_reference_scheduler(tmp_path: Path) -> None:
+    """One vLLM instance (`blockq up --prefix-caching`) serves requests with shared
+    prefixes one at a time; the hit counters its beats carry are compared with the
+    reference scheduler's prediction for the same sequence (vLLM's block size and KV
+    blocks, hashes from :mod:`blockq.prefix` at that block size).
+
+    While the cache holds everything, both count the same tokens: full blocks only, the
+    prompt's last token always recomputed (so a prompt of whole blocks recomputes its last
+    block). Under eviction they part (printed, not asserted): vLLM evicts a freed request's
+    last blocks first, so its prefix stays usable, the model its first ones; and vLLM also
+    caches the blocks a request's output completes, which take cache room."""
+    from blockq.engine_model import EngineConfig, EngineScheduler, get_preset
+
+    made = run_blockq("tiny-model", str(tmp_path / "model"), timeout_s=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    env = {"BLOCKQ_STATE_DIR": str(tmp_path / "state"), "BLOCKQ_REDIS_URL": ""}
+    up = run_blockq("up", "--engine", "vllm", "--model", str(tmp_path / "model"), "--instances", "1",
+                    "--prefix-caching", "--block-size", "32", "--kv-cache-bytes", str(2 * KV_CACHE_BYTES),
+                    "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--metrics-base-port", "0",
+                    "--detach", "--json", "--ready-timeout-s", "300", env=env, timeout_s=360)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:] + _logs(tmp_path / "state")
+        state = ClusterState.read(tmp_path / "state")
+        assert state is not None
+        engine_config, before = _prefix_counters(state)
+        assert engine_config["enable_prefix_caching"] is True and engine_config["block_size"] == 32
+        # vLLM keeps one block aside (its null block).
+        config = EngineConfig.from_dict({**engine_config, "num_gpu_blocks": engine_config["num_gpu_blocks"] - 1})
+        scheduler = EngineScheduler(config, get_preset("llama2-7b-a30").latency_model)
+        for label, prompts in _prefix_phases(random.Random(17)).items():
+            after = _vllm_prefix_hits(state, prompts, before)
+            vllm_queried, vllm_hits = (after[name] - before[name] for name in PREFIX_COUNTERS)
+            model_queried, model_hits = _model_prefix_hits(scheduler, prompts, config.block_size)
+            num_prompt_tokens = sum(map(len, prompts))
+            print(f"\nprefix cache, {label}: {len(prompts)} requests, {num_prompt_tokens} prompt tokens; "
+                  f"vLLM measured {vllm_hits} hit tokens of {vllm_queried} queried, "
+                  f"the reference scheduler predicts {model_hits} of {model_queried}")
+            assert vllm_queried == model_queried == num_prompt_tokens
+            if label == "shared prefixes":
+                assert vllm_hits > 0.4 * num_prompt_tokens
+                assert abs(model_hits - vllm_hits) <= config.block_size  # one block at most
+            before = after
+    finally:
+        down = run_blockq("down", env=env, timeout_s=120)
+        assert down.returncode == 0, down.stderr

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle-size", type=int, default=16, help="max queue entries per read")
     parser.add_argument("--stream-interval-ms", type=float, default=50.0, help="min ms between output chunks")
     parser.add_argument("--model", default=None, help="model path for --engine vllm")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="reuse the KV blocks of cached prompt prefixes (emulated: off by default; "
+                             "vLLM: enable_prefix_caching=True, else vLLM's own default)")
     parser.add_argument("--refine-url", default=None,
                         help="the predictor's HTTP API (served with --refine-model): beats report running "
                              "requests' remaining lengths refined from their partial output")
@@ -69,11 +72,14 @@ def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine
         return VllmEngine(VllmEngineOptions(
             model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager))
+            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+            enable_prefix_caching=True if args.prefix_caching else None))
     from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 
+    overrides = (("enable_prefix_caching", True),) if args.prefix_caching else ()
     return EmulatedEngine(EmulatedEngineOptions(preset=args.preset, time_scale=args.time_scale,
-                                                noise_sigma=args.noise, seed=args.seed + index))
+                                                noise_sigma=args.noise, seed=args.seed + index,
+                                                config_overrides=overrides))
 
 
 def run(args: argparse.Namespace) -> int:

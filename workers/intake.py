@@ -49,7 +49,8 @@ def engine_spec(request: Request) -> EngineRequestSpec:
     length: ``ignore_eos`` keeps a real engine from stopping at its own EOS first, and the
     engine ends the request at ``min(true_output_tokens, max_tokens)`` (replays leave
     ``max_tokens`` at the room the model allows, so that it tells the predictor nothing).
-    The emulated engine ends such a request there either way."""
+    The emulated engine ends such a request there either way. The prompt's block hashes
+    go along for the engine's prefix cache (:mod:`blockq.prefix`)."""
     prediction = request.prediction
     if prediction is not None:
         prompt_tokens = prediction.prompt_tokens
@@ -63,4 +64,5 @@ def engine_spec(request: Request) -> EngineRequestSpec:
         stop=request.stop, ignore_eos=request.ignore_eos or request.true_output_tokens is not None,
         min_tokens=request.min_tokens, true_output_tokens=request.true_output_tokens,
         predicted_output_tokens=prediction.predicted_output_tokens if prediction else None,
-        p90_tokens=prediction.p90_tokens if prediction else None, output_text=request.trace_output_text)
+        p90_tokens=prediction.p90_tokens if prediction else None, prefix_block_hashes=request.prompt_block_hashes,
+        output_text=request.trace_output_text)

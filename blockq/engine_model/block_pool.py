@@ -23,7 +23,7 @@ class BlockPool:
     """
 
     __slots__ = ("num_gpu_blocks", "block_size", "num_free_blocks", "hash_to_num_holders",
-                 "evictable_hashes")
+                 "evictable_hashes", "num_prefix_queried_tokens", "num_prefix_hit_tokens")
 
     def __init__(self, num_gpu_blocks: int, block_size: int) -> None:
         self.num_gpu_blocks = num_gpu_blocks
@@ -31,6 +31,9 @@ class BlockPool:
         self.num_free_blocks = num_gpu_blocks
         self.hash_to_num_holders: dict[int, int] = {}
         self.evictable_hashes: OrderedDict[int, None] = OrderedDict()
+        # vLLM's prefix-cache counters: tokens of admitted requests looked up, and found.
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     def clone(self) -> BlockPool:
         """An independent copy."""
@@ -40,6 +43,8 @@ class BlockPool:
         pool.num_free_blocks = self.num_free_blocks
         pool.hash_to_num_holders = dict(self.hash_to_num_holders)
         pool.evictable_hashes = OrderedDict(self.evictable_hashes)
+        pool.num_prefix_queried_tokens = self.num_prefix_queried_tokens
+        pool.num_prefix_hit_tokens = self.num_prefix_hit_tokens
         return pool
 
     @property
@@ -68,7 +73,9 @@ class BlockPool:
         self.num_free_blocks += num_private
         if request.num_hashed_blocks:
             holders = self.hash_to_num_holders
-            for block_hash in request.prefix_block_hashes[:request.num_hashed_blocks]:
+            # Last block first, as vLLM frees them: the eviction order (oldest first) then
+            # takes a prefix's tail before its head, so what stays cached is still a prefix.
+            for block_hash in reversed(request.prefix_block_hashes[:request.num_hashed_blocks]):
                 remaining = holders[block_hash] - 1
                 if remaining:
                     holders[block_hash] = remaining

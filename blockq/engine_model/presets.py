@@ -1,6 +1,7 @@
-"""Named engine presets: Llama-2-7B on an A30, an A100-80GB and an H100-80GB.
+"""Named engine presets: Llama-2-7B on an A30, an A100-80GB and an H100-80GB, and
+Llama-3.1-8B (long context) on an H100-80GB.
 
-The latency models come from ``profiles.json`` (fitted by
+The Llama-2 latency models come from ``profiles.json`` (fitted by
 :mod:`blockq.engine_model.fit_profiles`). KV capacity:
 
 * ``llama2-7b-a30``: 1,052 blocks of 16 tokens, as measured by the Block paper's vLLM on
@@ -9,6 +10,41 @@ The latency models come from ``profiles.json`` (fitted by
   (80 GiB x 0.9 utilisation - 12.55 GiB fp16 weights - 1 GiB activation/runtime reserve)
   / (16 tokens x 0.5 MiB per token) = 7,481 blocks (about 120k tokens). The same formula
   gives 1,030 blocks for 24 GiB, within 2 % of the A30's measured 1,052.
+
+``llama3-8b-h100``: Llama-3.1-8B (32 layers, hidden 4,096, 32 query heads and 8 KV heads
+of 128 dims (GQA), SwiGLU MLP of 14,336, vocabulary 128,256, untied embeddings:
+8,030,261,248 parameters, 14.96 GiB in fp16) on an H100-80GB, for long-context
+workloads such as the Mooncake traces (prompts up to 126k tokens in the conversation
+trace, median 6.9k):
+
+* KV bytes per token: K and V x 32 layers x 8 KV heads x 128 dims x 2 bytes = 131,072
+  (a quarter of Llama-2-7B's 524,288).
+* KV blocks: the same formula, (72 - 14.96 - 1) GiB / (16 x 128 KiB) = 28,693 blocks
+  (about 459k tokens), so ``max_model_len`` = 131,072 (the model's context, 8,192 blocks)
+  fits 3.5 times beside the watermark. ``max_num_seqs`` 48 and ``max_num_batched_tokens``
+  512 as in ``llama2-7b-h100``, so the two H100 presets differ only in the model.
+* Latency: no public profile of Llama-3-8B is in ``profiles.json``, so the
+  ``llama2-7b-h100`` model is scaled part by part (:func:`scale_latency_model`):
+
+  - linear layers (the table): by the ratio of the transformer layers' matmul
+    parameters, each of which a token multiplies once (the table is weight-read bound at
+    few tokens and FLOP bound at many; both scale with the parameters). Per layer,
+    Llama-3-8B: q and o 2 x 4096 x 4096 + k and v 2 x 4096 x 1024 + MLP 3 x 4096 x 14336
+    = 218,103,808; Llama-2-7B: 4 x 4096 x 4096 + 3 x 4096 x 11008 = 202,375,168; x 32
+    layers: 6,979,321,856 / 6,476,005,376 = 1.0777. This is (8.03e9 - 1.05e9
+    embeddings) / (6.74e9 - 0.26e9): the embeddings and the LM head are not in the
+    per-layer profile the table was fitted from.
+  - decode attention, seconds per KV token read: x 131,072 / 524,288 = 0.25 (memory
+    bound: bytes read).
+  - prefill attention, seconds per (query, key) pair: x (32 layers x 32 query heads x
+    128 dims) / (32 x 32 x 128) = 1.0 (GQA shares K and V between heads but every query
+    head still computes its scores).
+  - per-step overhead: the fixed attention cost of 32 layers is kept and the LM-head
+    read changes with the vocabulary: + (128,256 - 32,000) x 4,096 x 2 bytes / 3.35 TB/s
+    = + 0.235 ms (0.699 -> 0.935 ms).
+
+  The online refit (:meth:`StepLatencyModel.refit`) corrects all four from real step
+  timings.
 """
 
 from __future__ import annotations
@@ -21,10 +57,61 @@ from typing import Any
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
 
-LLAMA2_7B_PARAMETERS = 6_738_415_616
-# K and V of 32 layers x 4096 dims in fp16.
-LLAMA2_7B_KV_BYTES_PER_TOKEN = 2 * 32 * 4096 * 2
 _GIB = 1024**3
+_FP16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-family decoder (SwiGLU MLP, untied embeddings, RMSNorm)."""
+
+    num_layers: int
+    hidden_size: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @property
+    def num_layer_matmul_parameters(self) -> int:
+        """Weights of the layers' projections and MLP: each multiplies every token once."""
+        query_width = self.num_query_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        attention = 2 * self.hidden_size * query_width + 2 * self.hidden_size * kv_width
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attention + mlp)
+
+    @property
+    def num_parameters(self) -> int:
+        """All weights: layers, two norms per layer and a final one, embedding, LM head."""
+        norms = (2 * self.num_layers + 1) * self.hidden_size
+        embeddings = 2 * self.vocab_size * self.hidden_size
+        return self.num_layer_matmul_parameters + norms + embeddings
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, fp16."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _FP16_BYTES
+
+    @property
+    def lm_head_bytes(self) -> int:
+        """The LM-head weights (fp16), read once per step."""
+        return self.vocab_size * self.hidden_size * _FP16_BYTES
+
+    @property
+    def attention_score_width(self) -> int:
+        """Dims of all query heads of all layers: the work of one (query, key) pair."""
+        return self.num_layers * self.num_query_heads * self.head_dim
+
+
+LLAMA2_7B = ModelShape(num_layers=32, hidden_size=4096, num_query_heads=32, num_kv_heads=32,
+                       head_dim=128, intermediate_size=11008, vocab_size=32000)
+LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_query_heads=32, num_kv_heads=8,
+                       head_dim=128, intermediate_size=14336, vocab_size=128256)
+LLAMA2_7B_PARAMETERS = LLAMA2_7B.num_parameters  # 6,738,415,616
+LLAMA2_7B_KV_BYTES_PER_TOKEN = LLAMA2_7B.kv_bytes_per_token  # 524,288
+LLAMA3_8B_MAX_MODEL_LEN = 131_072
 
 
 @dataclass(frozen=True)
@@ -41,14 +128,40 @@ def kv_blocks_for_gpu_memory(
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
     reserve_gib: float = 1.0,
+    *,
+    num_parameters: int = LLAMA2_7B_PARAMETERS,
+    kv_bytes_per_token: int = LLAMA2_7B_KV_BYTES_PER_TOKEN,
 ) -> int:
-    """KV blocks vLLM would get for Llama-2-7B (fp16) on a GPU with this much memory.
+    """KV blocks vLLM would get for a model (fp16 weights; default Llama-2-7B) on a GPU
+    with this much memory: (memory x utilisation - weights - reserve) / block bytes.
 
     ``reserve_gib`` stands for peak activations and runtime memory outside the weights.
     """
-    weights_gib = LLAMA2_7B_PARAMETERS * 2 / _GIB
+    weights_gib = num_parameters * _FP16_BYTES / _GIB
     kv_gib = gpu_memory_gib * gpu_memory_utilization - weights_gib - reserve_gib
-    return max(0, int(kv_gib * _GIB // (block_size * LLAMA2_7B_KV_BYTES_PER_TOKEN)))
+    return max(0, int(kv_gib * _GIB // (block_size * kv_bytes_per_token)))
+
+
+def scale_latency_model(
+    base: StepLatencyModel, base_model: ModelShape, model: ModelShape, hbm_tb_s: float
+) -> StepLatencyModel:
+    """``base`` (profiled for ``base_model``) carried over to ``model`` on the same GPU.
+
+    Linear layers scale with the layers' matmul parameters, decode attention with the KV
+    bytes per token, prefill attention with the query-head width; the per-step overhead
+    swaps one LM-head read for the other at ``hbm_tb_s`` (TB/s). The module docstring
+    works the numbers for Llama-3-8B.
+    """
+    linear_ratio = model.num_layer_matmul_parameters / base_model.num_layer_matmul_parameters
+    lm_head_delta_s = (model.lm_head_bytes - base_model.lm_head_bytes) / (hbm_tb_s * 1e12)
+    return replace(
+        base,
+        linear_knot_s=tuple(value * linear_ratio for value in base.linear_knot_s),
+        kv_token_s=base.kv_token_s * model.kv_bytes_per_token / base_model.kv_bytes_per_token,
+        prefill_pair_s=base.prefill_pair_s
+        * model.attention_score_width / base_model.attention_score_width,
+        step_overhead_s=max(0.0, base.step_overhead_s + lm_head_delta_s),
+    )
 
 
 def load_profiles() -> dict[str, Any]:
@@ -70,6 +183,22 @@ def _build_presets() -> dict[str, EnginePreset]:
         name = f"llama2-7b-{gpu}"
         model = StepLatencyModel.from_dict(gpus[gpu]["latency_model"])
         presets[name] = EnginePreset(name=name, config=config, latency_model=model)
+    presets["llama3-8b-h100"] = EnginePreset(
+        name="llama3-8b-h100",
+        config=replace(
+            presets["llama2-7b-h100"].config,
+            num_gpu_blocks=kv_blocks_for_gpu_memory(
+                80.0,
+                num_parameters=LLAMA3_8B.num_parameters,
+                kv_bytes_per_token=LLAMA3_8B.kv_bytes_per_token,
+            ),
+            max_model_len=LLAMA3_8B_MAX_MODEL_LEN,
+        ),
+        latency_model=scale_latency_model(
+            presets["llama2-7b-h100"].latency_model, LLAMA2_7B, LLAMA3_8B,
+            hbm_tb_s=float(gpus["h100"]["hbm_tb_s"]),
+        ),
+    )
     return presets
 
 

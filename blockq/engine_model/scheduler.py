@@ -72,6 +72,12 @@ class EngineScheduler:
         return self._pool.num_used_blocks
 
     @property
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """(tokens looked up in the prefix cache, tokens found there) over every admission
+        so far, as vLLM counts its prefix-cache queries and hits (0, 0 without caching)."""
+        return self._pool.num_prefix_queried_tokens, self._pool.num_prefix_hit_tokens
+
+    @property
     def has_unfinished_requests(self) -> bool:
         """True while any request is running or waiting."""
         return bool(self.running) or bool(self.waiting)

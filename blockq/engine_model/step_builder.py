@@ -115,6 +115,10 @@ class StepBuilder:
             if pool.num_free_blocks - num_evictable_hits - num_blocks_needed < watermark_blocks:
                 break
             waiting.popleft()
+            if use_prefix_cache:
+                # Counted at every admission, re-admissions after a preemption included.
+                pool.num_prefix_queried_tokens += request.num_tokens
+                pool.num_prefix_hit_tokens += num_computed
             if num_hits:
                 pool.claim_prefix(request, num_hits)
             pool.allocate(num_blocks_needed)

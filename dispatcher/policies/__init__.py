@@ -17,6 +17,7 @@ from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies.base import Decision, Policy, PolicyOptions
 from dispatcher.policies.load import LeastKv, Llumnix
 from dispatcher.policies.predictive import Block, BlockKvGuard, Oracle, PowerOfTwo
+from dispatcher.policies.prefix import PrefixAffinity
 from dispatcher.policies.simple import LeastRequests, RandomChoice, RoundRobin
 
 PolicyFactory = Callable[[ClusterView, random.Random, PolicyOptions], Policy]
@@ -39,6 +40,7 @@ POLICIES: dict[str, PolicySpec] = {
     "least_requests": PolicySpec(lambda view, rng, options: LeastRequests(rng)),
     "least_kv": PolicySpec(lambda view, rng, options: LeastKv(rng)),
     "llumnix": PolicySpec(lambda view, rng, options: Llumnix(rng)),
+    "prefix_affinity": PolicySpec(lambda view, rng, options: PrefixAffinity(rng)),
     "power_of_two": PolicySpec(PowerOfTwo, simulates=True),
     "block": PolicySpec(Block, simulates=True),
     "block_kv_guard": PolicySpec(BlockKvGuard, simulates=True),

@@ -65,13 +65,18 @@ class Block:
         # one's run to the end (the replica's next baseline, the predicted E2E) follows.
         ttft_only = self.objective == "ttft" and not self.kv_guard_candidates
         ranked = []
-        sizes: dict[int, tuple[int, int]] = {}  # by max_model_len: the same on most fleets
+        # By max_model_len (the same on most fleets), unless a prefix cache makes each
+        # candidate's prefill its own.
+        sizes: dict[int, tuple[int, int]] = {}
         for candidate in candidates:
             replica = self.view.replica(candidate, now_s)
             max_model_len = replica.config.max_model_len
-            if max_model_len not in sizes:
-                sizes[max_model_len] = replica.request_size(request)
-            size = sizes[max_model_len]
+            if replica.prefix_index is not None:
+                size = replica.request_size(request)
+            else:
+                if max_model_len not in sizes:
+                    sizes[max_model_len] = replica.request_size(request)
+                size = sizes[max_model_len]
             if ttft_only:
                 candidate_forecast, ttft_s = None, forecast_ttft(replica, *size)
                 score = ttft_s

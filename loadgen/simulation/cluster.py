@@ -80,8 +80,10 @@ class ClusterSimulation:
     def add_instance(self, instance_id: str, up_at_s: float) -> SimulatedInstance:
         """A new instance whose worker beats from ``up_at_s`` on (its engine started)."""
         config = self.config
+        overrides = (("enable_prefix_caching", True),) if config.prefix_caching else ()
         options = EmulatedEngineOptions(preset=config.preset, noise_sigma=config.noise_sigma, stream_tokens=False,
-                                        time_scale=config.time_scale, seed=self._rng.randrange(2**31))
+                                        time_scale=config.time_scale, seed=self._rng.randrange(2**31),
+                                        config_overrides=overrides)
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instance's wall clock
         instance = self.instances[instance_id] = SimulatedInstance.create(
             instance_id, options, self._worker_options, clock, self.refinements)
@@ -299,7 +301,12 @@ class ClusterSimulation:
 
     def _counters(self) -> dict[str, int]:
         stats = self.core.stats
-        return {"events": self.result.num_events, "steps": sum(i.counters.num_steps for i in self.instances.values()),
-                "beats": sum(i.counters.num_beats for i in self.instances.values()),
+        instances = self.instances.values()
+        # The engines' own prefix-cache counters (zero without prefix caching), in prompt tokens.
+        engine_stats = [instance.engine.engine_stats() for instance in instances]
+        return {"events": self.result.num_events, "steps": sum(i.counters.num_steps for i in instances),
+                "beats": sum(i.counters.num_beats for i in instances),
                 "beats_rejected": stats.num_beats_rejected, "placed": stats.num_placed,
-                "held": stats.num_held, "rejected": stats.num_rejected, "infeasible": stats.num_infeasible}
+                "held": stats.num_held, "rejected": stats.num_rejected, "infeasible": stats.num_infeasible,
+                "prefix_cache_queries_tokens": sum(s["prefix_cache_queries_total"] for s in engine_stats),
+                "prefix_cache_hits_tokens": sum(s["prefix_cache_hits_total"] for s in engine_stats)}

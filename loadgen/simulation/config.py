@@ -47,6 +47,8 @@ class SimulationConfig:
     the summaries count goodput against and the dispatcher judges placements by
     (:mod:`dispatcher.admission`); ``best_effort``: every request is submitted with
     ``best_effort`` (served however late: none is answered ``infeasible``).
+    ``prefix_caching``: every instance's engine reuses cached prompt prefixes (as
+    ``blockq worker --prefix-caching``), and the summary reports ``prefix_hit_rate``.
     """
 
     instances: int = 12
@@ -69,6 +71,7 @@ class SimulationConfig:
     slo_ttft_ms: float = 3000.0
     best_effort: bool = False
     time_scale: float = 1.0
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         policy_spec(self.policy)  # ValueError naming the valid policies

@@ -4,10 +4,12 @@ prediction error, for noise curves), each cluster's configuration, and the progr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from blockq.engine_model import get_preset
 from blockq.progress import ProgressBar
 from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies import policy_spec
@@ -73,7 +75,8 @@ class Plan:
             decision_delay_ms=args.decision_delay_ms, ingress_delay_ms=args.ingress_delay_ms,
             ingress_delay_sigma=args.ingress_delay_sigma,
             queue_delay_ms=args.queue_delay_ms, noise_sigma=args.noise, slo_ttft_ms=args.slo_ttft_ms,
-            step_lag_ms=args.step_lag_ms, time_scale=args.time_scale, best_effort=args.best_effort)
+            step_lag_ms=args.step_lag_ms, time_scale=args.time_scale, best_effort=args.best_effort,
+            prefix_caching=args.prefix_caching)
 
     def sample(self, seed: int, mae_tokens: float | None) -> AnnotatedSample:
         if mae_tokens is None:
@@ -106,10 +109,14 @@ def reads_predictions(policy: str) -> bool:
 def build_plan(args: argparse.Namespace) -> Plan:
     seeds = args.seeds or (args.seed,)
     samples = {}
+    # The trace's length policy is the engines': a long-context preset keeps long prompts.
+    max_model_len = get_preset(args.preset).config.max_model_len
     for seed in seeds:
-        trace_requests = sample_trace(args.trace, args.requests, seed, redraw=args.seeds is not None)
-        samples[seed] = annotate_sample(trace_requests, seed, predictor=args.predictor,
-                                        predictor_model=args.predictor_model)
+        trace_requests = sample_trace(args.trace, args.requests, seed, redraw=args.seeds is not None,
+                                      multi_turn=args.multi_turn, max_model_len=max_model_len)
+        sample = annotate_sample(trace_requests, seed, predictor=args.predictor,
+                                 predictor_model=args.predictor_model)
+        samples[seed] = dataclasses.replace(sample, think_time_s=args.think_time_s)
     if args.refine_model:
         samples = _refined(samples, args.refine_model, args.refine_every_tokens)
     return Plan(args, samples)

@@ -7,10 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from blockq.protocol import Request
 from loadgen.metrics import KvSample, RequestRecord, summarize
 from loadgen.replay import failed_record, record_of
 from loadgen.simulation.cluster import ClusterSimulation
 from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.prefix_report import ideal_prefix_hit_rate, predicted_prefix_hit_rate
 from loadgen.simulation.workload import AnnotatedSample, arrivals_for, submitted
 
 
@@ -28,7 +30,11 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
 
     The summary has :func:`loadgen.metrics.summarize`'s keys and ``blockq bench``'s run
     fields (``policy``, ``rate``, ``instances``, ``preset``, ``seed``), plus ``events``
-    and ``steps`` (what the simulation did); ``lag_p99_ms`` is None (virtual time has no lag)."""
+    and ``steps`` (what the simulation did); ``lag_p99_ms`` is None (virtual time has no lag).
+    ``prefix_hit_rate``: the share of prompt tokens the engines found in their prefix caches
+    at admission, over every instance (None without prefix caching, or nothing admitted);
+    ``prefix_hit_rate_predicted`` and ``prefix_hit_rate_ideal`` beside it
+    (:mod:`loadgen.simulation.prefix_report`)."""
     schedule = arrivals_for(sample, rate_per_s=rate_per_s, burstiness=burstiness, use_trace_times=use_trace_times)
     simulation = ClusterSimulation(config, refinements=sample.refinements)
     origin_s = config.warmup_s  # the first request is submitted after the warm-up
@@ -53,5 +59,18 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
                         slo_ttft_ms=config.slo_ttft_ms)
     summary.update(policy=config.policy, rate=rate_per_s, instances=config.instances, preset=config.preset,
                    seed=sample.seed, time_scale=config.time_scale, mode="simulated", events=result.counters["events"],
-                   steps=result.counters["steps"], beats_rejected=result.counters["beats_rejected"])
+                   steps=result.counters["steps"], beats_rejected=result.counters["beats_rejected"],
+                   **_prefix_hit_rates(config, result.counters, simulation, [r for _, r in arrivals]))
     return SimulatedRun(summary, records, result.kv_samples)
+
+
+def _prefix_hit_rates(config: SimulationConfig, counters: dict[str, int], simulation: ClusterSimulation,
+                      requests_in_arrival_order: list[Request]) -> dict[str, float | None]:
+    """Measured (prompt tokens served from cache / queried), predicted and ideal; all None
+    without prefix caching (see simulate_run)."""
+    if not config.prefix_caching:
+        return dict.fromkeys(("prefix_hit_rate", "prefix_hit_rate_predicted", "prefix_hit_rate_ideal"))
+    num_queried_tokens = counters["prefix_cache_queries_tokens"]
+    return {"prefix_hit_rate": counters["prefix_cache_hits_tokens"] / num_queried_tokens if num_queried_tokens else None,
+            "prefix_hit_rate_predicted": predicted_prefix_hit_rate(simulation.core.stats),
+            "prefix_hit_rate_ideal": ideal_prefix_hit_rate(requests_in_arrival_order)}

@@ -20,9 +20,9 @@ import structlog
 from blockq.keys import Keys
 from blockq.protocol import Request
 from blockq.tokenizer import TokenCounter, get_token_counter
-from loadgen.arrivals import build_schedule
+from loadgen.arrivals import DEFAULT_THINK_TIME_S, build_schedule
 from loadgen.replay import ReplayOptions, max_tokens_for
-from loadgen.traces import TraceRequest, load_trace
+from loadgen.traces import DEFAULT_MAX_MODEL_LEN, TraceRequest, group_sessions, load_trace
 from predictor_service.models import LengthPredictor, load_predictor
 from predictor_service.stage import StageOptions, annotate, prediction_inputs
 from workers.refinement import RefinementTable
@@ -34,7 +34,8 @@ log = structlog.get_logger(__name__)
 class AnnotatedSample:
     """Trace requests and their annotated :class:`Request` (same order); ``rejected``:
     indexes the predictor could not annotate, with the reason (dead-lettered live);
-    ``refinements``: what the instances' beats report once requests run, when refined."""
+    ``refinements``: what the instances' beats report once requests run, when refined;
+    ``think_time_s``: the mean pause between a session's turns (multi-turn samples)."""
 
     trace_requests: tuple[TraceRequest, ...]
     requests: tuple[Request | None, ...]
@@ -42,22 +43,54 @@ class AnnotatedSample:
     seed: int
     # Remaining-length refinements at each checkpoint (loadgen.simulation.refinement), or None.
     refinements: RefinementTable | None = None
+    think_time_s: float = DEFAULT_THINK_TIME_S
 
 
-def sample_trace(trace: str, num_requests: int, seed: int, *, redraw: bool) -> list[TraceRequest]:
+def sample_trace(trace: str, num_requests: int, seed: int, *, redraw: bool, multi_turn: bool = False,
+                 max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) -> list[TraceRequest]:
     """``num_requests`` requests of ``trace``: the first ones, as ``blockq bench`` replays
     them, or with ``redraw`` a random sample (in random order) drawn with ``seed`` — with
     replacement when the trace holds fewer requests than asked (logged), so that a small
-    trace (a held-out split) still makes runs of the asked size."""
+    trace (a held-out split) still makes runs of the asked size. ``multi_turn``: the
+    trace's conversations as sessions (:func:`loadgen.traces.load_trace`); a redraw then
+    draws whole sessions, turns in order, the last one cut to make ``num_requests``.
+    ``max_model_len``: the engines' (tokens), for the trace's length policy."""
     if not redraw:
-        return load_trace(trace, limit=num_requests, seed=seed)
-    pool = load_trace(trace, limit=None if trace != "synthetic" else num_requests, seed=seed)
+        return load_trace(trace, limit=num_requests, seed=seed, multi_turn=multi_turn,
+                          max_model_len=max_model_len)
+    pool = load_trace(trace, limit=None if trace != "synthetic" else num_requests, seed=seed,
+                      multi_turn=multi_turn, max_model_len=max_model_len)
+    if multi_turn:
+        return _sample_sessions(pool, num_requests, seed, trace)
     if len(pool) < num_requests:
         log.warning("trace_resampled_with_replacement", trace=trace, num_in_trace=len(pool),
                     num_requests=num_requests)
         # Copies: each drawn request is its own object (arrivals are matched by identity).
         return [dataclasses.replace(request) for request in random.Random(seed).choices(pool, k=num_requests)]
     return random.Random(seed).sample(pool, num_requests)
+
+
+def _sample_sessions(pool: list[TraceRequest], num_requests: int, seed: int, trace: str) -> list[TraceRequest]:
+    """Whole sessions of ``pool`` in a random order until ``num_requests`` turns; past the
+    pool's end another pass in a new order, its copies renamed (a session id is one session)."""
+    sessions = group_sessions(pool)
+    rng = random.Random(seed)
+    drawn: list[TraceRequest] = []
+    num_passes = 0
+    while sessions and len(drawn) < num_requests:
+        for index in rng.sample(range(len(sessions)), len(sessions)):
+            turns = sessions[index][:num_requests - len(drawn)]
+            if num_passes:
+                # Copies: each drawn request is its own object (arrivals are matched by identity).
+                turns = [dataclasses.replace(turn, session_id=f"{turn.session_id}~{num_passes}") for turn in turns]
+            drawn.extend(turns)
+            if len(drawn) >= num_requests:
+                break
+        num_passes += 1
+    if num_passes > 1:
+        log.warning("trace_resampled_with_replacement", trace=trace, num_in_trace=len(pool),
+                    num_requests=num_requests, num_sessions=len(sessions))
+    return drawn
 
 
 def annotate_sample(trace_requests: Sequence[TraceRequest], seed: int, *, predictor: str = "heuristic",
@@ -89,10 +122,11 @@ def annotate_sample(trace_requests: Sequence[TraceRequest], seed: int, *, predic
 def arrivals_for(sample: AnnotatedSample, *, rate_per_s: float | None, burstiness: float = 1.0,
                  use_trace_times: bool = False) -> list[tuple[float, int]]:
     """(arrival offset s, index into the sample) in submit order, as ``blockq bench``
-    schedules them (:func:`loadgen.arrivals.build_schedule`, seeded with the sample's seed)."""
+    schedules them (:func:`loadgen.arrivals.build_schedule`, seeded with the sample's seed;
+    sessions with the sample's think time)."""
     position = {id(request): index for index, request in enumerate(sample.trace_requests)}
     schedule = build_schedule(sample.trace_requests, rate_per_s=rate_per_s, burstiness=burstiness,
-                              seed=sample.seed, use_trace_times=use_trace_times)
+                              seed=sample.seed, use_trace_times=use_trace_times, think_time_s=sample.think_time_s)
     return [(offset_s, position[id(request)]) for offset_s, request in schedule]
 
 

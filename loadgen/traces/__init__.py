@@ -5,6 +5,8 @@ Formats (one module each): ShareGPT JSON (:mod:`.sharegpt`), Mooncake JSONL
 (:mod:`.vidur`), BurstGPT CSV (:mod:`.burstgpt`) and a seeded generator (:mod:`.synthetic`).
 Every reader applies the same length policy (:mod:`.base`): prompts that alone reach
 ``max_model_len`` are skipped, outputs are clipped to fit, and the counts are logged.
+ShareGPT can also be read as multi-turn sessions (``multi_turn``; :func:`group_sessions`
+gathers a session's turns).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from loadgen.traces.base import (
     LoadedTrace,
     TraceRequest,
     TraceStats,
+    group_sessions,
 )
 from loadgen.traces.burstgpt import read_burstgpt
 from loadgen.traces.mooncake import read_mooncake
@@ -35,6 +38,7 @@ __all__ = [
     "TraceRequest",
     "TraceStats",
     "detect_format",
+    "group_sessions",
     "load_trace",
     "load_trace_with_stats",
 ]
@@ -90,10 +94,13 @@ def load_trace_with_stats(
     token_counter: TokenCounter | None = None,
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN,
     tokenizer: str | None = None,
+    multi_turn: bool = False,
 ) -> LoadedTrace:
     """Load a trace and say what was skipped; see :func:`load_trace` for the arguments."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    if multi_turn and spec == SYNTHETIC_SPEC:
+        raise ValueError("multi_turn: the synthetic workload has no conversations")
     if spec == SYNTHETIC_SPEC:
         config = SyntheticTraceConfig(max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN)
         return generate_synthetic(
@@ -107,6 +114,10 @@ def load_trace_with_stats(
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
     trace_format = trace_format or detect_format(path)
+    if multi_turn and trace_format != "sharegpt":
+        raise ValueError(
+            f"multi_turn: only ShareGPT traces have conversations; {path} is {trace_format}"
+        )
     if trace_format == "sharegpt":
         loaded = read_sharegpt(
             path,
@@ -114,6 +125,7 @@ def load_trace_with_stats(
             max_model_len=max_model_len,
             token_counter=token_counter,
             tokenizer=tokenizer,
+            multi_turn=multi_turn,
         )
     else:
         reader = {
@@ -149,6 +161,7 @@ def load_trace(
     token_counter: TokenCounter | None = None,
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN,
     tokenizer: str | None = None,
+    multi_turn: bool = False,
 ) -> list[TraceRequest]:
     """Load the first ``limit`` usable requests of a trace (all of them when None).
 
@@ -160,8 +173,10 @@ def load_trace(
     prompts); default: :func:`blockq.tokenizer.get_token_counter`. ``max_model_len``
     (tokens, None: unlimited) bounds prompt + output: longer prompts are skipped, longer
     outputs clipped (see :mod:`loadgen.traces.base`). Arrival offsets, when the trace has
-    times, are seconds since the first returned request. Raises FileNotFoundError for a
-    missing file and ValueError for an unrecognised format.
+    times, are seconds since the first returned request. ``multi_turn`` (ShareGPT only)
+    reads every turn of each conversation as one session (:mod:`.sharegpt`); ``limit``
+    then counts turns. Raises FileNotFoundError for a missing file and ValueError for an
+    unrecognised format, or ``multi_turn`` on a trace without conversations.
     """
     return load_trace_with_stats(
         spec,
@@ -170,4 +185,5 @@ def load_trace(
         token_counter=token_counter,
         max_model_len=max_model_len,
         tokenizer=tokenizer,
+        multi_turn=multi_turn,
     ).requests

@@ -12,13 +12,17 @@ Length policy (the same for every reader, mirroring what a vLLM engine with
   max_model_len`` (counted in :attr:`TraceStats.num_clipped_output`); a shipped prediction
   is cut to the same bound, since no engine can generate past it;
 * rows with fewer than one prompt or output token are malformed for replay and skipped
-  (:attr:`TraceStats.num_skipped_invalid`).
+  (:attr:`TraceStats.num_skipped_invalid`);
+* in a multi-turn session, the turns after a skipped one are dropped too, since a
+  conversation cannot continue from a turn that was never served
+  (:attr:`TraceStats.num_dropped_session_turns`).
 
 ``max_model_len=None`` turns clipping and the too-long skip off.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 
@@ -52,7 +56,10 @@ class TraceRequest:
     ``arrival_offset_s`` is the trace's own timestamp relative to its first returned
     request, or None when the trace has no times. ``predicted_output_tokens`` is a
     prediction shipped with the trace, None when there is none. ``output_text`` is the
-    recorded answer when the trace has text (ShareGPT), else None.
+    recorded answer when the trace has text (ShareGPT), else None. ``session_id`` names the
+    conversation a request is one turn of ("" when the request stands alone) and
+    ``turn_index`` its place in it, from 0; a session's turns are replayed in that order
+    (:func:`loadgen.arrivals.build_schedule`).
     """
 
     prompt: str | tuple[int, ...]
@@ -62,17 +69,47 @@ class TraceRequest:
     predicted_output_tokens: int | None = None
     trace_id: str = ""
     output_text: str | None = field(default=None, repr=False)
+    session_id: str = ""
+    turn_index: int = 0
+
+
+def group_sessions(requests: Sequence[TraceRequest]) -> list[list[TraceRequest]]:
+    """The requests as sessions, in order of each session's first appearance.
+
+    Requests sharing a non-empty ``session_id`` form one session, sorted by ``turn_index``
+    (ties keep list order); a request without a session id is a session of its own.
+    """
+    session_to_turns: dict[str, list[TraceRequest]] = {}
+    sessions: list[list[TraceRequest]] = []
+    for request in requests:
+        if not request.session_id:
+            sessions.append([request])
+            continue
+        turns = session_to_turns.get(request.session_id)
+        if turns is None:
+            turns = session_to_turns[request.session_id] = []
+            sessions.append(turns)
+        turns.append(request)
+    for turns in session_to_turns.values():
+        turns.sort(key=lambda request: request.turn_index)
+    return sessions
 
 
 @dataclass(frozen=True)
 class TraceStats:
-    """What a reader did with the rows it saw (counts, not requests)."""
+    """What a reader did with the rows it saw (counts, not requests).
+
+    A row is one request of the trace (one turn, for multi-turn sessions), so
+    ``num_rows_read = num_requests + num_skipped_too_long + num_skipped_invalid +
+    num_dropped_session_turns``.
+    """
 
     num_rows_read: int = 0
     num_requests: int = 0
     num_skipped_too_long: int = 0
     num_skipped_invalid: int = 0
     num_clipped_output: int = 0
+    num_dropped_session_turns: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +135,7 @@ class LengthPolicy:
         self.num_skipped_too_long = 0
         self.num_skipped_invalid = 0
         self.num_clipped_output = 0
+        self.num_dropped_session_turns = 0
 
     def try_fit(
         self, prompt_tokens: int, output_tokens: int, predicted_output_tokens: int | None = None
@@ -127,6 +165,11 @@ class LengthPolicy:
         self.num_rows_read += 1
         self.num_skipped_invalid += 1
 
+    def count_dropped_turns(self, num_turns: int) -> None:
+        """Count the turns of a session dropped after one of its turns was skipped."""
+        self.num_rows_read += num_turns
+        self.num_dropped_session_turns += num_turns
+
     def stats(self) -> TraceStats:
         """Freeze the counts so far."""
         return TraceStats(
@@ -135,11 +178,13 @@ class LengthPolicy:
             num_skipped_too_long=self.num_skipped_too_long,
             num_skipped_invalid=self.num_skipped_invalid,
             num_clipped_output=self.num_clipped_output,
+            num_dropped_session_turns=self.num_dropped_session_turns,
         )
 
     def log_summary(self, source: str) -> None:
         """Log one line saying what was skipped or clipped (silent when nothing was)."""
-        if self.num_skipped_too_long or self.num_skipped_invalid or self.num_clipped_output:
+        if (self.num_skipped_too_long or self.num_skipped_invalid or self.num_clipped_output
+                or self.num_dropped_session_turns):
             logger.info(
                 "trace_rows_skipped_or_clipped",
                 source=source,
@@ -149,6 +194,7 @@ class LengthPolicy:
                 num_skipped_too_long=self.num_skipped_too_long,
                 num_skipped_invalid=self.num_skipped_invalid,
                 num_clipped_output=self.num_clipped_output,
+                num_dropped_session_turns=self.num_dropped_session_turns,
             )
 
 

@@ -12,11 +12,19 @@ others stream filler words.
 
 ``lag_ms`` per step is how late the event loop woke up against the step's scheduled
 end: an overloaded host shows up there instead of silently stretching the results.
+
+With prefix caching on (``config_overrides`` with ``enable_prefix_caching``), requests
+are looked up in the engine model's prefix cache by the block hashes they carry
+(:mod:`blockq.prefix`), and ``engine_stats`` reports the scheduler's counts of tokens
+looked up and found cached under vLLM's names. The hashes are of
+:data:`~blockq.prefix.PREFIX_BLOCK_TOKENS`-token blocks: an engine with another block size
+cannot use them (it logs so once and caches nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import random
 import time
@@ -24,10 +32,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from blockq.engine_model import EngineRequest, EngineScheduler, StepResult, get_preset
+from blockq.prefix import PREFIX_BLOCK_TOKENS
 from blockq.protocol import RequestProgress
 from blockq.tokenizer import AnswerTokenizer
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+
+log = structlog.get_logger(__name__)
 
 _WORDS = ("the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "with", "on",
           "be", "by", "this", "are", "or", "an", "from")
@@ -88,14 +101,19 @@ class EmulatedEngine:
         # A trace's recorded answer, token by token (streamed instead of filler text).
         self._token_texts: dict[str, list[str]] = {}
         self._tokenizer: AnswerTokenizer | None = None
+        self._use_block_hashes = (preset.config.enable_prefix_caching
+                                  and _can_use_block_hashes(preset.config.block_size))
 
     # --- Engine protocol ----------------------------------------------------------------
 
     def engine_stats(self) -> dict[str, Any]:
         scheduler = self.scheduler
+        num_queried_tokens, num_hit_tokens = scheduler.prefix_cache_tokens
         return {"num_running_reqs": len(scheduler.running), "num_waiting_reqs": len(scheduler.waiting),
                 "kv_cache_usage": round(scheduler.num_used_blocks / max(1, self.config.num_gpu_blocks), 4),
-                "num_preemptions_total": self._num_preemptions_total}
+                "num_preemptions_total": self._num_preemptions_total,
+                "prefix_cache_queries_total": num_queried_tokens,
+                "prefix_cache_hits_total": num_hit_tokens}
 
     def shutdown(self) -> None:
         pass  # holds nothing outside this process
@@ -126,7 +144,7 @@ class EmulatedEngine:
         self.scheduler.add_request(EngineRequest(
             request_id=spec.request_id, prompt_tokens=spec.prompt_tokens,
             output_target_tokens=output_tokens, arrival_s=self.scheduler.now_s,
-            prefix_block_hashes=spec.prefix_block_hashes))
+            prefix_block_hashes=spec.prefix_block_hashes if self._use_block_hashes else ()))
         self._specs[spec.request_id] = spec
         self._num_emitted[spec.request_id] = 0
         if spec.output_text and self.options.stream_tokens:
@@ -263,6 +281,18 @@ class EmulatedEngine:
     def _sample_eos(self) -> int:
         return max(1, int(self.rng.lognormvariate(math.log(self.options.eos_median_tokens),
                                                   self.options.eos_sigma)))
+
+
+@functools.cache
+def _can_use_block_hashes(block_size: int) -> bool:
+    """Whether an engine of ``block_size``-token blocks can use requests' block hashes
+    (logged once per block size that cannot)."""
+    if block_size == PREFIX_BLOCK_TOKENS:
+        return True
+    log.warning("emulated_prefix_caching_without_hashes", block_size=block_size,
+                hash_block_tokens=PREFIX_BLOCK_TOKENS,
+                reason="requests' block hashes cover another block size: nothing is found cached")
+    return False
 
 
 class _NoisyLatency:

@@ -72,7 +72,8 @@ class VllmEngineOptions:
     read back after start-up). ``kv_cache_bytes`` fixes the KV cache size (on CPU the
     only sizing that does not depend on the machine's free memory);
     ``gpu_memory_utilization`` is the fraction of device memory (on CPU: of the node's)
-    vLLM may take."""
+    vLLM may take. ``enable_prefix_caching`` True turns vLLM's prefix cache on (None:
+    vLLM's default, on in V1 for most models; the beats' engine config says which)."""
 
     model: str | None
     max_num_seqs: int = 48
@@ -82,6 +83,7 @@ class VllmEngineOptions:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -102,7 +104,8 @@ class VllmEngineOptions:
             "enable_logging_iteration_details": True}
         optional = {"max_model_len": self.max_model_len, "block_size": self.block_size,
                     "kv_cache_memory_bytes": self.kv_cache_bytes,
-                    "gpu_memory_utilization": self.gpu_memory_utilization}
+                    "gpu_memory_utilization": self.gpu_memory_utilization,
+                    "enable_prefix_caching": self.enable_prefix_caching}
         args.update({name: value for name, value in optional.items() if value is not None})
         return args
 
@@ -130,8 +133,10 @@ class VllmStats:
         self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
         prefix = scheduler_stats.prefix_cache_stats
         if prefix is not None:
-            self.prefix_cache_queries_total += int(prefix.queries)
-            self.prefix_cache_hits_total += int(prefix.hits)
+            # Re-admissions after a preemption too, which vLLM counts apart: the emulated
+            # engine counts every admission, and a beat means the same from either.
+            self.prefix_cache_queries_total += int(prefix.queries) + int(getattr(prefix, "preempted_queries", 0))
+            self.prefix_cache_hits_total += int(prefix.hits) + int(getattr(prefix, "preempted_hits", 0))
         details = scheduler_stats.iteration_details
         if details is not None and not details.is_dummy and details.elapsed_ms > 0:
             num_prefill_tokens = int(details.num_ctx_tokens)

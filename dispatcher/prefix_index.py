@@ -1,0 +1,65 @@
+"""What the dispatcher believes an instance's prefix cache holds, from its own placements.
+
+An engine with prefix caching (vLLM's ``enable_prefix_caching``) keeps the KV blocks of
+the prompts it served, keyed by chained block hashes (:mod:`blockq.prefix`: equal hashes
+mean equal prefixes), and evicts them least recently used when it needs room. The
+dispatcher sees every request it places, with its prompt's block hashes
+(``Request.prompt_block_hashes``), so it keeps one :class:`PrefixIndex` per instance: the
+hashes of the prompts placed there, most recently used last, at most the instance's KV
+capacity in blocks. A request's predicted hit on an instance is its longest leading run of
+hashes found there.
+
+The index is an estimate, and errs on the side of hits: the engine also spends KV on
+running requests' outputs and evicts sooner under load, and a placement the instance
+never ran (it died, the request was moved) still counts. What it never does is see a hit
+the engine could not have: a block is only believed cached after a request with it was
+placed there.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from blockq.prefix import PREFIX_BLOCK_TOKENS
+
+
+@dataclass
+class PrefixIndex:
+    """The block hashes believed cached on one instance (LRU, ``capacity_blocks`` at most)."""
+
+    capacity_blocks: int
+    block_tokens: int = PREFIX_BLOCK_TOKENS
+    _blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks: must be >= 1 (got {self.capacity_blocks})")
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        """How many of ``block_hashes``' leading blocks are believed cached."""
+        blocks = self._blocks
+        for index, block_hash in enumerate(block_hashes):
+            if block_hash not in blocks:
+                return index
+        return len(block_hashes)
+
+    def cached_prompt_tokens(self, block_hashes: Sequence[int], prompt_tokens: int) -> int:
+        """Prompt tokens a request would find cached; at least one token is always computed
+        (the engine must run the last prompt position to produce the first output token)."""
+        return min(self.cached_prefix_blocks(block_hashes) * self.block_tokens, max(0, prompt_tokens - 1))
+
+    def record(self, block_hashes: Sequence[int]) -> None:
+        """A request with these blocks was placed here: they are now the most recently used."""
+        blocks = self._blocks
+        for block_hash in block_hashes:
+            if block_hash in blocks:
+                blocks.move_to_end(block_hash)
+            else:
+                blocks[block_hash] = None
+        while len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)

@@ -1,0 +1,50 @@
+"""Prefix-cache hit rates of a simulated run: predicted by the dispatcher and the ideal.
+
+All are shares of prompt tokens served from cache, so they compare with what the engines
+measure (``prefix_hit_rate`` of the run's summary, from their own counters):
+
+- ``prefix_hit_rate_predicted``: what the dispatcher's prefix indexes predicted for the
+  instances it chose (:mod:`dispatcher.prefix_index`), over every request it placed;
+- ``prefix_hit_rate_ideal``: an infinite cache and every request on the instance holding
+  its longest prefix, i.e. each request's longest leading run of blocks that any earlier
+  request (in arrival order) had. No placement can beat it; load balance costs from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from blockq.prefix import PREFIX_BLOCK_TOKENS
+from blockq.protocol import Request
+from dispatcher.core import CoreStats
+from dispatcher.replica import prompt_tokens_of
+
+
+def ideal_prefix_hit_rate(requests_in_arrival_order: Sequence[Request],
+                          block_tokens: int = PREFIX_BLOCK_TOKENS) -> float | None:
+    """See the module docstring; None when no request carries block hashes."""
+    seen: set[int] = set()
+    num_cached_tokens = num_prompt_tokens = 0
+    for request in requests_in_arrival_order:
+        hashes = request.prompt_block_hashes
+        prompt_tokens = prompt_tokens_of(request)
+        num_prompt_tokens += prompt_tokens
+        # Chained hashes: a block seen means every block before it was seen with it.
+        num_blocks = 0
+        for block_hash in hashes:
+            if block_hash not in seen:
+                break
+            num_blocks += 1
+        num_cached_tokens += min(num_blocks * block_tokens, max(0, prompt_tokens - 1))
+        seen.update(hashes)
+    if not seen or not num_prompt_tokens:
+        return None
+    return num_cached_tokens / num_prompt_tokens
+
+
+def predicted_prefix_hit_rate(stats: CoreStats) -> float | None:
+    """The dispatcher's predicted share of placed prompt tokens found cached (None:
+    nothing was placed)."""
+    if not stats.num_placed_prompt_tokens:
+        return None
+    return stats.num_predicted_cached_tokens / stats.num_placed_prompt_tokens
