@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from blockq.engine_model import EngineConfig, StepLatencyModel, get_preset
 from blockq.engine_model.presets import PRESETS
 from blockq.health import HealthPolicy
+from blockq.prefix import PREFIX_BLOCK_TOKENS
 from blockq.protocol import Heartbeat, Request
 from dispatcher.lengths import check_length_mode
 from dispatcher.prefix_index import PrefixIndex
@@ -137,7 +138,7 @@ class ClusterView:
         view.heartbeat = beat
         view.last_beat_at_s = heard_at_s
         view.health = beat.state
-        if view.prefix_index is None and beat.engine_config.get("enable_prefix_caching"):
+        if view.prefix_index is None and _indexes_prefixes(beat):
             view.prefix_index = PrefixIndex(max(1, int(beat.engine_config.get("num_gpu_blocks") or 1)))
         if beat.state != "stopped":
             view.left_reported = False
@@ -231,6 +232,14 @@ class ClusterView:
     def forget(self, instance_ids: Iterable[str]) -> None:
         for instance_id in instance_ids:
             self.instances.pop(instance_id, None)
+
+
+def _indexes_prefixes(beat: Heartbeat) -> bool:
+    """Whether the dispatcher can tell what ``beat``'s instance caches: prefix caching is on
+    and its KV blocks are the size requests' block hashes cover (an engine of other blocks,
+    e.g. vLLM's 32-token CPU blocks, caches other boundaries: no hit is predicted there)."""
+    config = beat.engine_config
+    return bool(config.get("enable_prefix_caching")) and config.get("block_size") == PREFIX_BLOCK_TOKENS
 
 
 # The prior for an instance that publishes no latency model and no known preset (a vLLM

@@ -7,7 +7,9 @@ dispatcher sees every request it places, with its prompt's block hashes
 (``Request.prompt_block_hashes``), so it keeps one :class:`PrefixIndex` per instance: the
 hashes of the prompts placed there, most recently used last, at most the instance's KV
 capacity in blocks. A request's predicted hit on an instance is its longest leading run of
-hashes found there.
+hashes found there. Only instances whose KV blocks are the hashes' size
+(:data:`~blockq.prefix.PREFIX_BLOCK_TOKENS`) get an index: another block size caches other
+boundaries, and no hit is predicted there.
 
 The index is an estimate, and errs on the side of hits: the engine also spends KV on
 running requests' outputs and evicts sooner under load, and a placement the instance

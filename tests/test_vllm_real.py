@@ -311,12 +311,14 @@ def _model_prefix_hits(scheduler: Any, prompts: list[list[int]], block_size: int
     prompt tokens, counted as the emulated engine counts them."""
     from blockq.engine_model import EngineRequest
     from blockq.prefix import block_hashes
+    queried_before, hits_before = scheduler.prefix_cache_tokens
     for index, prompt in enumerate(prompts):
         scheduler.add_request(EngineRequest(f"p{index}", len(prompt), PREFIX_OUTPUT_TOKENS,
                                             prefix_block_hashes=block_hashes(prompt, block_size)))
         while scheduler.has_unfinished_requests:
             scheduler.step()
-    return scheduler.prefix_cache_tokens
+    queried_after, hits_after = scheduler.prefix_cache_tokens
+    return queried_after - queried_before, hits_after - hits_before
 
 
 def test_prefix_cache_hits_of_vllm_against_the_reference_scheduler(tmp_path: Path) -> None:
