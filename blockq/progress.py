@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 DEFAULT_LINE_INTERVAL_S = 10.0
+MIN_RATE_ELAPSED_S = 1.0  # lines written sooner after the start show no rate
 
 
 def is_terminal(stream: TextIO) -> bool:
@@ -68,6 +69,8 @@ class _LineRenderer:
             counts = f"{completed:,}/{total:,} {self.unit} ({100 * completed / total:.0f} %)"
         else:
             counts = f"{completed:,} {self.unit}"
+        if elapsed_s < MIN_RATE_ELAPSED_S:  # a rate over a few milliseconds says nothing
+            return f"{head}{counts}, elapsed {_clock_text(elapsed_s)}"
         text = f"{head}{counts}, {rate_per_s:,.1f} {self.unit}/s, elapsed {_clock_text(elapsed_s)}"
         if total and 0 < completed < total and rate_per_s > 0:
             text += f", eta {_clock_text((total - completed) / rate_per_s)}"
