@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -347,18 +349,21 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=args.width)
     if args.width is None and not console.is_terminal:
         console = Console(width=160)
+    # Ctrl-C (or SIGTERM) ends the loop between frames: an interrupt raised inside a Redis
+    # read or a console write could leave either half done.
+    stop = threading.Event()
+    handlers = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         previous = read_sample(client, settings, num_records=args.records)
         if args.once:
-            time.sleep(args.interval_s)  # a second read, so that the rates have an interval
+            stop.wait(args.interval_s)  # a second read, so that the rates have an interval
             view = build_view(read_sample(client, settings, num_records=args.records), previous,
                               window_s=args.window_s)
             console.print(render_view(view))
             return 0
         with _frames(console) as show:
             show(render_view(build_view(previous, window_s=args.window_s)))
-            while True:
-                time.sleep(args.interval_s)
+            while not stop.wait(args.interval_s):
                 try:
                     sample = read_sample(client, settings, num_records=args.records)
                 except redis.RedisError as exc:  # Redis restarting: say so and keep trying
@@ -366,9 +371,10 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 show(render_view(build_view(sample, previous, window_s=args.window_s)))
                 previous = sample
-    except KeyboardInterrupt:
         return 0
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         client.close()
 
 

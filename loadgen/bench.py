@@ -48,6 +48,7 @@ class BenchConfig:
     burstiness: float = 1.0
     use_trace_times: bool = False
     multi_turn: bool = False
+    prefix_caching: bool = False
     think_time_s: float = DEFAULT_THINK_TIME_S
     time_scale: float = 1.0
     predictor: str = "heuristic"
@@ -99,6 +100,8 @@ def start_cluster(config: BenchConfig, policy: str, state_dir: Path) -> dict[str
         flags += ["--objective", config.objective]
     if config.refine_model:
         flags += ["--refine-model", config.refine_model, "--refine-every-tokens", str(config.refine_every_tokens)]
+    if config.prefix_caching:
+        flags.append("--prefix-caching")
     return up_detached(state_dir, flags)
 
 

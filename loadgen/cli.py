@@ -47,6 +47,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
                         help="ShareGPT: every turn of each conversation, as sessions (prompts repeat the conversation so far)")
     parser.add_argument("--think-time-s", type=float, default=DEFAULT_THINK_TIME_S,
                         help="--multi-turn: mean seconds (exponential, model time) from a turn's arrival to the next's")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="every instance reuses cached prompt prefixes (as `blockq worker --prefix-caching`); "
+                             "simulate's summaries report the measured, predicted and ideal hit rates")
     parser.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per model second")
     parser.add_argument("--predictor", default="heuristic", help="fast | transformer | ensemble | heuristic | trace | oracle")
     parser.add_argument("--predictor-model", default=None)
@@ -63,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         trace=args.trace, instances=args.instances, instances_per_process=args.instances_per_process,
         preset=args.preset, policies=args.policies, rates=args.rates, requests=args.requests, seed=args.seed,
         burstiness=args.burstiness, use_trace_times=args.trace_times, time_scale=args.time_scale,
-        multi_turn=args.multi_turn, think_time_s=args.think_time_s,
+        multi_turn=args.multi_turn, think_time_s=args.think_time_s, prefix_caching=args.prefix_caching,
         predictor=args.predictor, predictor_model=args.predictor_model, objective=args.objective,
         refine_model=args.refine_model, refine_every_tokens=args.refine_every_tokens,
         slo_ttft_ms=args.slo_ttft_ms, lag_bound_ms=args.lag_bound_ms, out_dir=args.out)

@@ -71,9 +71,6 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the policy whose capacity --overload-factor multiplies (default: the first)")
     parser.add_argument("--best-effort", action="store_true",
                         help="serve every request however late: no 'infeasible' answers past the SLO")
-    parser.add_argument("--prefix-caching", action="store_true",
-                        help="every instance reuses cached prompt prefixes (as `blockq worker --prefix-caching`); "
-                             "the summary reports prefix_hit_rate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_autoscale_arguments(parser)
 
