@@ -283,7 +283,10 @@ def test_worker_process_serves_metrics_on_the_env_port(settings: Settings, tmp_p
                 return None
             return text if 'instance_id="env-1"' in text else None
 
-        text = str(wait_until(scraped, timeout_s=20, interval_s=0.1))
+        try:
+            text = str(wait_until(scraped, timeout_s=60, interval_s=0.1))
+        except AssertionError as exc:  # say why: the worker's own log
+            raise AssertionError(f"{exc}; worker log:\n{(tmp_path / 'worker.log').read_text()[-3000:]}") from exc
         assert total(text, "blockq_worker_kv_blocks_total", instance_id="env-0") > 0
         assert total(text, "vllm:num_requests_waiting", instance_id="env-1") == 0
     finally:
