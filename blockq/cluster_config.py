@@ -145,10 +145,10 @@ class ClusterConfig:
             raise ConfigError(f"metrics_base_port: must be a TCP port, or 0 for no metrics (got {base!r})")
         if base == 0:
             return
-        max_workers = self.autoscale.max_instances if self.autoscale is not None else self.num_worker_processes
-        last = base + WORKER_METRICS_PORT_OFFSET + max_workers - 1
+        last = self._last_metrics_port()
         if last > 65535:
-            raise ConfigError(f"metrics_base_port: {base} leaves no room for {max_workers} worker processes "
+            num_workers = last - base - WORKER_METRICS_PORT_OFFSET + 1
+            raise ConfigError(f"metrics_base_port: {base} leaves no room for {num_workers} worker processes "
                               f"(their ports would reach {last})")
         if self.gateway and base <= self.gateway_port <= last:
             raise ConfigError(f"metrics_base_port: the metrics ports {base}-{last} include gateway_port "
@@ -165,8 +165,13 @@ class ClusterConfig:
         if self.refine_model is None:
             return
         base = self.metrics_base_port
-        if (self.gateway and port == self.gateway_port) or (base and base <= port <= base + 2 + self.num_worker_processes):
+        if (self.gateway and port == self.gateway_port) or (base and base <= port <= self._last_metrics_port()):
             raise ConfigError(f"predictor_http_port: {port} is taken by the gateway or a metrics port")
+
+    def _last_metrics_port(self) -> int:
+        """The highest port a worker process's metrics may take (under autoscale, the fleet's maximum)."""
+        max_workers = self.autoscale.max_instances if self.autoscale is not None else self.num_worker_processes
+        return self.metrics_base_port + WORKER_METRICS_PORT_OFFSET + max_workers - 1
 
     @property
     def refine_url(self) -> str | None:

@@ -27,6 +27,13 @@ from dataclasses import dataclass, field
 from blockq.prefix import PREFIX_BLOCK_TOKENS
 
 
+def cached_tokens(num_cached_blocks: int, prompt_tokens: int, block_tokens: int = PREFIX_BLOCK_TOKENS) -> int:
+    """Prompt tokens served from ``num_cached_blocks`` cached leading blocks; at least one
+    token is always computed (the engine must run the last prompt position to produce the
+    first output token)."""
+    return min(num_cached_blocks * block_tokens, max(0, prompt_tokens - 1))
+
+
 @dataclass
 class PrefixIndex:
     """The block hashes believed cached on one instance (LRU, ``capacity_blocks`` at most)."""
@@ -51,9 +58,8 @@ class PrefixIndex:
         return len(block_hashes)
 
     def cached_prompt_tokens(self, block_hashes: Sequence[int], prompt_tokens: int) -> int:
-        """Prompt tokens a request would find cached; at least one token is always computed
-        (the engine must run the last prompt position to produce the first output token)."""
-        return min(self.cached_prefix_blocks(block_hashes) * self.block_tokens, max(0, prompt_tokens - 1))
+        """Prompt tokens a request would find cached (:func:`cached_tokens`)."""
+        return cached_tokens(self.cached_prefix_blocks(block_hashes), prompt_tokens, self.block_tokens)
 
     def record(self, block_hashes: Sequence[int]) -> None:
         """A request with these blocks was placed here: they are now the most recently used."""

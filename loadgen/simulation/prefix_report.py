@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from blockq.prefix import PREFIX_BLOCK_TOKENS
 from blockq.protocol import Request
 from dispatcher.core import CoreStats
+from dispatcher.prefix_index import cached_tokens
 from dispatcher.replica import prompt_tokens_of
 
 
@@ -35,7 +36,7 @@ def ideal_prefix_hit_rate(requests_in_arrival_order: Sequence[Request],
             if block_hash not in seen:
                 break
             num_blocks += 1
-        num_cached_tokens += min(num_blocks * block_tokens, max(0, prompt_tokens - 1))
+        num_cached_tokens += cached_tokens(num_blocks, prompt_tokens, block_tokens)
         seen.update(hashes)
     if not seen or not num_prompt_tokens:
         return None
