@@ -583,7 +583,9 @@ class Heartbeat:
     ``finished_sizes`` the (prompt tokens, output tokens) of those answered ``ok`` (what the
     autoscaler sizes future arrivals with: realized lengths, not predicted ones). When a
     list had to be cut to :data:`MAX_HEARTBEAT_REQUESTS`, ``truncated`` is true and the
-    ``num_*_total`` fields keep the real counts.
+    ``num_*_total`` fields keep the real counts. ``lag_p99_ms`` / ``lag_mean_ms``: how late
+    the engine's recent steps ended against their schedule (model ms; an emulated engine on
+    a busy host; 0 for a real engine), the p99 and the mean.
     """
 
     instance_id: str
@@ -604,6 +606,7 @@ class Heartbeat:
     finished_sizes: tuple[tuple[int, int], ...] = ()
     step_samples: tuple[tuple[int | float, ...], ...] = ()
     lag_p99_ms: float = 0.0
+    lag_mean_ms: float = 0.0
     time_scale: float = 1.0
     truncated: bool = False
     # Counters the engine reports itself, as it names them (vLLM: num_running_reqs,
@@ -631,6 +634,7 @@ class Heartbeat:
         values["finished_ids"] = tuple(data.get("finished_ids") or ())
         values["finished_sizes"] = _finished_sizes(data.get("finished_sizes") or ())
         values["step_samples"] = tuple(tuple(s) for s in data.get("step_samples") or ())
+        values["lag_mean_ms"] = _get_float(data, "lag_mean_ms") if "lag_mean_ms" in data else 0.0
         _get(data, "instance_id", str)
         _get(data, "seq", int)
         _get_float(data, "sent_at_s")

@@ -137,6 +137,7 @@ def summarize(
     duration_s: float,
     kv_samples: Sequence[KvSample] = (),
     lag_samples_ms: Sequence[float] = (),
+    lag_mean_samples_ms: Sequence[float] = (),
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS,
     lag_bound_ms: float = DEFAULT_LAG_BOUND_MS,
     kv_bucket_s: float = DEFAULT_KV_BUCKET_S,
@@ -161,6 +162,9 @@ def summarize(
     * prediction errors (mean absolute): ``length_mae_tokens`` — predicted vs actually
       generated output tokens of completed requests; ``ttft_prediction_mae_ms`` and
       ``e2e_prediction_mae_ms`` — the dispatcher's predictions vs measured;
+    * the host: ``lag_mean_ms``, the mean of the beats' mean step lag (model ms: how late
+      an emulated engine's steps ended on this host; what ``blockq simulate --step-lag-ms``
+      takes, times the time scale, to replay the run as this host ran it);
     * validity: ``lag_p99_ms`` (p99 of the emulator's lag samples), ``valid`` and
       ``invalid_reason``. A run is invalid when its lag p99 exceeds ``lag_bound_ms``
       (the emulator fell behind real time, so its latencies are not trustworthy) or when
@@ -219,6 +223,8 @@ def summarize(
         (record.predicted_e2e_ms, record.e2e_ms) for record in completed
     )
     summary["preemptions_total"] = sum(record.num_preemptions for record in records)
+    lag_means_ms = _finite(lag_mean_samples_ms)
+    summary["lag_mean_ms"] = float(lag_means_ms.mean()) if len(lag_means_ms) else None
     summary.update(_validity(len(completed), num_requests, lag_samples_ms, lag_bound_ms))
     return summary
 

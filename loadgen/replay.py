@@ -38,6 +38,7 @@ class ReplayResult:
     duration_s: float
     kv_samples: list[KvSample] = field(default_factory=list)
     lag_samples_ms: list[float] = field(default_factory=list)
+    lag_mean_samples_ms: list[float] = field(default_factory=list)
 
 
 def max_tokens_for(request: TraceRequest, options: ReplayOptions) -> int:
@@ -142,3 +143,4 @@ async def _follow_heartbeats(client: AsyncClient, started_s: float, time_scale: 
             if beat.state == "live" and num_blocks:
                 result.kv_samples.append(KvSample(now_s, beat.instance_id, beat.num_used_blocks / num_blocks))
                 result.lag_samples_ms.append(beat.lag_p99_ms)
+                result.lag_mean_samples_ms.append(beat.lag_mean_ms)

@@ -41,6 +41,7 @@ _TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("KV var", "kv_usage_variance_mean", "small"),
     ("len MAE tok", "length_mae_tokens", "ms1"),
     ("lag p99 ms", "lag_p99_ms", "ms1"),
+    ("lag mean ms", "lag_mean_ms", "ms1"),
 )
 _RATIO_COLUMNS: tuple[tuple[str, str], ...] = (
     ("TTFT mean ×rr", "ttft_mean_speedup_vs_round_robin"),

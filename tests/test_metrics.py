@@ -73,8 +73,10 @@ def test_validity_flag() -> None:
     invalid = summarize(records, duration_s=1.0, lag_samples_ms=lag_ms, lag_bound_ms=50.0)
     assert invalid["lag_p99_ms"] > 50.0
     assert invalid["valid"] is False and "lag" in invalid["invalid_reason"]
-    ok = summarize(records, duration_s=1.0, lag_samples_ms=[1.0, 2.0, 3.0], lag_bound_ms=50.0)
+    ok = summarize(records, duration_s=1.0, lag_samples_ms=[1.0, 2.0, 3.0], lag_mean_samples_ms=[0.5, 1.0, 0.0],
+                   lag_bound_ms=50.0)
     assert ok["valid"] is True and ok["lag_p99_ms"] == pytest.approx(2.98)
+    assert ok["lag_mean_ms"] == pytest.approx(0.5) and invalid["lag_mean_ms"] is None
     nothing_done = summarize([make_record(0, ok=False)], duration_s=1.0)
     assert (
         nothing_done["valid"] is False and "no request completed" in nothing_done["invalid_reason"]

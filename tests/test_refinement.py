@@ -124,6 +124,13 @@ def test_a_worker_beat_reports_the_latest_refinement_instead_of_the_first_guess(
         (128, 300, 400, 450)
 
 
+def test_a_beat_reports_the_p99_and_the_mean_of_the_recent_step_lags() -> None:
+    beats = HeartbeatBuilder("i0", _engine_with_one_request(40), clock=time.time)
+    beat = beats.build("live", [0.0] * 98 + [4.0, 96.0])
+    assert (beat.lag_p99_ms, beat.lag_mean_ms) == (96.0, 1.0)
+    assert (beats.build("live", ()).lag_p99_ms, beats.build("live", ()).lag_mean_ms) == (0.0, 0.0)
+
+
 def _replica_finish_s(beat: Heartbeat) -> float:
     preset = get_preset("llama2-7b-a30")
     replica = InstanceReplica(EngineConfig(**beat.engine_config), preset.latency_model)

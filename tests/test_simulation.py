@@ -173,6 +173,26 @@ def test_simulate_and_simulate_capacity_print_the_documented_json(tmp_path: Path
     assert "MAE tokens" in (tmp_path / "cap" / "capacity.md").read_text()
 
 
+def test_simulate_calibrate_replays_each_live_run_with_its_measured_step_lag(tmp_path: Path) -> None:
+    """A simulated report stands in for a live one: replayed as it is, every figure comes
+    back exactly; a run whose beats said its steps ended 5 model ms late is replayed with
+    that lag, and its simulated tokens come slower than the lag-free run it stands for."""
+    flags = ("--trace", "synthetic", "--instances", "2", "--requests", "60", "--seed", "1", "--no-progress")
+    done = run_blockq("simulate", *flags, "--policies", "round_robin,llumnix", "--rates", "4",
+                      "--out", str(tmp_path / "live"), timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "live" / "results.json").read_text())
+    report["results"][1]["lag_mean_ms"] = 5.0
+    (tmp_path / "live.json").write_text(json.dumps(report))
+    done = run_blockq("simulate", "calibrate", *flags, "--live", str(tmp_path / "live.json"), "--json", timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    exact, lagged = json.loads(done.stdout)
+    assert (exact["policy"], exact["step_lag_ms"], lagged["policy"], lagged["step_lag_ms"]) == \
+        ("round_robin", 0.0, "llumnix", 5.0)
+    assert all(exact[f"{figure}_error"] == 0.0 for figure in ("ttft_mean_ms", "ttft_p90_ms", "tpot_mean_ms"))
+    assert lagged["simulated_tpot_mean_ms"] > lagged["live_tpot_mean_ms"] + 2.0
+
+
 def test_step_lag_and_ingress_delay_are_what_the_run_measures() -> None:
     """A step that ends late slows every token by the lag; the ingress delay shows up in
     the queue wait, as a spread when it has one."""

@@ -47,6 +47,7 @@ class HeartbeatBuilder:
             running, waiting = _refined(running, self.refinements), _refined(waiting, self.refinements)
         lags = sorted(recent_lag_ms)
         lag_p99_ms = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0
+        lag_mean_ms = sum(lags) / len(lags) if lags else 0.0
         self.seq += 1
         beat = Heartbeat(
             instance_id=self.instance_id, state=state, seq=self.seq, sent_at_s=self.clock(),
@@ -56,7 +57,7 @@ class HeartbeatBuilder:
             running=tuple(running[:MAX_HEARTBEAT_REQUESTS]), waiting=tuple(waiting[:MAX_HEARTBEAT_REQUESTS]),
             num_running_total=len(running), num_waiting_total=len(waiting),
             finished_ids=tuple(self._finished), finished_sizes=tuple(self._finished_sizes), step_samples=tuple(self._samples),
-            lag_p99_ms=lag_p99_ms, time_scale=self.engine.time_scale, engine_stats=self.engine.engine_stats(),
+            lag_p99_ms=lag_p99_ms, lag_mean_ms=lag_mean_ms, time_scale=self.engine.time_scale, engine_stats=self.engine.engine_stats(),
             truncated=len(running) > MAX_HEARTBEAT_REQUESTS or len(waiting) > MAX_HEARTBEAT_REQUESTS)
         self._samples.clear()
         self._finished.clear()

@@ -24,6 +24,7 @@ from loadgen.metrics import KvSample, RequestRecord
 from loadgen.plots import run_key
 from loadgen.report import write_report
 from loadgen.simulation.autoscale_cli import add_autoscale_arguments, run_autoscale_command
+from loadgen.simulation.calibrate import run_calibrate_command
 from loadgen.simulation.capacity import run_capacity
 from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.plan import Progress, build_plan
@@ -39,10 +40,14 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    add_bench_arguments(parser, modes=("run", "capacity", "autoscale"),
-                        mode_help="; autoscale: scalers compared on one workload (see --scalers)")
+    add_bench_arguments(parser, modes=("run", "capacity", "autoscale", "calibrate"),
+                        mode_help="; autoscale: scalers compared on one workload (see --scalers); calibrate: "
+                                  "each run of a live blockq bench report (--live) simulated with its host's "
+                                  "measured step lag, live and simulated figures side by side")
     # Virtual time makes runs cheap: bisect to 0.25 req/s, as many steps as that takes.
     parser.set_defaults(out=None, capacity_tolerance=0.25, capacity_iterations=16)
+    parser.add_argument("--live", type=Path, default=None,
+                        help="calibrate: a blockq bench results.json (or its --json output) to replay")
     parser.add_argument("--seeds", type=_seeds, default=None,
                         help="comma-separated seeds; each draws its own sample and arrivals (tables: mean ± sd)")
     parser.add_argument("--heartbeat-ms", type=float, default=100.0, help="worker heartbeat period (wall-clock ms)")
@@ -78,6 +83,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 def run_simulate_command(args: argparse.Namespace) -> int:
     if args.mode == "autoscale":
         return run_autoscale_command(args)
+    if args.mode == "calibrate":
+        return run_calibrate_command(args)
     started = time.perf_counter()
     plan = build_plan(args)
     if args.mode == "capacity":
