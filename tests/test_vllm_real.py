@@ -260,8 +260,12 @@ def test_vllm_bench_serve_against_the_gateway_agrees_with_blockqs_records(
     tpot_ms = statistics.fmean(r.tpot_ms for r in records)
     print(f"\nvllm bench serve: mean TTFT {result['mean_ttft_ms']:.0f} ms, TPOT {result['mean_tpot_ms']:.1f} ms; "
           f"blockq's records: TTFT {ttft_ms:.0f} ms, TPOT {tpot_ms:.1f} ms")
-    assert abs(result["mean_ttft_ms"] - ttft_ms) <= max(150.0, 0.3 * ttft_ms)
-    assert abs(result["mean_tpot_ms"] - tpot_ms) <= 0.3 * tpot_ms
+    ttft_gap_ms = abs(result["mean_ttft_ms"] - ttft_ms)
+    assert ttft_gap_ms <= max(150.0, 0.3 * ttft_ms)
+    # The HTTP hop delays the client's first token while the last arrives about when blockq
+    # records it, so what the hop adds to TTFT comes off the client's TPOT, spread over the
+    # 31 tokens after the first (on a fast host TPOT is a few ms, and that share matters).
+    assert abs(result["mean_tpot_ms"] - tpot_ms) <= 0.3 * tpot_ms + ttft_gap_ms / 31
 
 
 
