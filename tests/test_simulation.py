@@ -191,6 +191,10 @@ def test_simulate_calibrate_replays_each_live_run_with_its_measured_step_lag(tmp
         ("round_robin", 0.0, "llumnix", 5.0)
     assert all(exact[f"{figure}_error"] == 0.0 for figure in ("ttft_mean_ms", "ttft_p90_ms", "tpot_mean_ms"))
     assert lagged["simulated_tpot_mean_ms"] > lagged["live_tpot_mean_ms"] + 2.0
+    # Another schedule than the live run's is refused, naming the flag.
+    other = [*flags[:-2], "2", "--no-progress"]
+    done = run_blockq("simulate", "calibrate", *other, "--live", str(tmp_path / "live.json"), timeout_s=300)
+    assert done.returncode != 0 and "--seed is 2" in done.stderr
 
 
 def test_step_lag_and_ingress_delay_are_what_the_run_measures() -> None:

@@ -43,7 +43,8 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
     progress = Progress(len(live) * args.requests, not args.no_progress)
     rows = []
     for summary in live:
-        step_lag_ms = (summary.get("lag_mean_ms") or 0.0) * float(summary.get("time_scale") or args.time_scale)
+        _check_same_schedule(summary, args)
+        step_lag_ms = (summary.get("lag_mean_ms") or 0.0) * args.time_scale
         plan.args = argparse.Namespace(**{**vars(args), "step_lag_ms": step_lag_ms})
         simulated = plan.run(str(summary["policy"]), float(summary["rate"]), seed, progress).summary
         rows.append(_row(summary, simulated, step_lag_ms))
@@ -53,6 +54,15 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(_table(rows) + "\n")
     return 0
+
+
+def _check_same_schedule(live: dict[str, Any], args: argparse.Namespace) -> None:
+    """A live run is replayed only on its own schedule: the command line's cluster, seed
+    and time scale must be the run's (a summary that does not record one is taken as is)."""
+    for name in ("instances", "preset", "seed", "time_scale", "predictor"):
+        if live.get(name) is not None and live[name] != getattr(args, name):
+            raise SystemExit(f"calibrate: --{name.replace('_', '-')} is {getattr(args, name)!r} but the live "
+                             f"{live['policy']}@{live['rate']:g} run had {live[name]!r}")
 
 
 def _row(live: dict[str, Any], simulated: dict[str, Any], step_lag_ms: float) -> dict[str, Any]:
