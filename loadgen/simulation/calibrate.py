@@ -5,8 +5,9 @@ A live run's latencies depend on its host as well as on the policy: on a busy ma
 emulated engine's event loop wakes late and every step ends that much later (its beats
 report how late: ``lag_mean_ms``, model ms). Each live summary is simulated with that
 measured lag as ``--step-lag-ms`` (wall ms: model ms times the run's time scale) and
-the same policy, rate and seed; the other flags are the command line's, which should be the
-bench command's. Nothing is fitted: the lag is read off the live run.
+the same policy and rate; the other flags are the command line's, which must be the bench
+command's (a differing seed, time scale, cluster or predictor is refused). Nothing is
+fitted: the lag is read off the live run.
 
 Prints, per run, the live and simulated TTFT mean / P90 / P99 and TPOT and the simulated
 figure's relative error (``--json``: a list of those as dicts)."""
@@ -14,6 +15,7 @@ figure's relative error (``--json``: a list of those as dicts)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,16 +39,17 @@ def live_summaries(path: Path) -> list[dict[str, Any]]:
 def run_calibrate_command(args: argparse.Namespace) -> int:
     if args.live is None:
         raise SystemExit("simulate calibrate: --live RESULTS (a blockq bench results.json) is required")
+    if args.seeds:
+        raise SystemExit("simulate calibrate: --seeds draws new samples; a live run is replayed with its --seed")
     live = live_summaries(args.live)
     plan = build_plan(args)
-    seed = next(iter(plan.samples))
     progress = Progress(len(live) * args.requests, not args.no_progress)
     rows = []
     for summary in live:
         _check_same_schedule(summary, args)
         step_lag_ms = (summary.get("lag_mean_ms") or 0.0) * args.time_scale
-        plan.args = argparse.Namespace(**{**vars(args), "step_lag_ms": step_lag_ms})
-        simulated = plan.run(str(summary["policy"]), float(summary["rate"]), seed, progress).summary
+        lagged = dataclasses.replace(plan, args=argparse.Namespace(**{**vars(args), "step_lag_ms": step_lag_ms}))
+        simulated = lagged.run(str(summary["policy"]), float(summary["rate"]), args.seed, progress).summary
         rows.append(_row(summary, simulated, step_lag_ms))
     progress.close()
     if args.json:
