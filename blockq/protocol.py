@@ -585,7 +585,10 @@ class Heartbeat:
     list had to be cut to :data:`MAX_HEARTBEAT_REQUESTS`, ``truncated`` is true and the
     ``num_*_total`` fields keep the real counts. ``lag_p99_ms`` / ``lag_mean_ms``: how late
     the engine's recent steps ended against their schedule (model ms; an emulated engine on
-    a busy host; 0 for a real engine), the p99 and the mean.
+    a busy host; 0 for a real engine), the p99 and the mean. ``state_at_s``: the engine
+    (model) time at which ``running`` and ``waiting`` hold, at a step boundary: an engine
+    that reports the state a step under way will leave gives that step's end; None (older
+    beats): ``engine_time_s``.
     """
 
     instance_id: str
@@ -612,6 +615,7 @@ class Heartbeat:
     # Counters the engine reports itself, as it names them (vLLM: num_running_reqs,
     # num_waiting_reqs, kv_cache_usage, num_preemptions_total, prefix_cache_*_total).
     engine_stats: dict[str, Any] | None = None
+    state_at_s: float | None = None
 
     def to_map(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -635,6 +639,7 @@ class Heartbeat:
         values["finished_sizes"] = _finished_sizes(data.get("finished_sizes") or ())
         values["step_samples"] = tuple(tuple(s) for s in data.get("step_samples") or ())
         values["lag_mean_ms"] = _get_float(data, "lag_mean_ms") if "lag_mean_ms" in data else 0.0
+        values["state_at_s"] = _get_float(data, "state_at_s", required=False)
         _get(data, "instance_id", str)
         _get(data, "seq", int)
         _get_float(data, "sent_at_s")

@@ -40,11 +40,13 @@ def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, outp
     there finishes.
 
     The run starts from the baseline's snapshot (exactly where it would diverge) or from
-    the present, whichever is later, with the request's arrival at the present. The run
+    the replica's state, whichever is later, with the request's arrival at the instance's
+    present (:attr:`InstanceReplica.now_s`): the rest of the step under way is part of
+    its wait. The run
     is handed to the replica (unless ``keep`` is false): if the request is then placed
     there, it is the replica's new baseline (:meth:`InstanceReplica.add_assignment`)."""
     baseline = replica.baseline()
-    now_s = replica.scheduler.now_s
+    now_s = replica.now_s
     start = _start(replica, baseline)
     ttft_s, e2e_s, added_delay_s, max_latency_s, num_preemptions, finished_at_s = start.what_if(
         prompt_tokens, output_tokens, now_s, baseline.finished_at_s)
@@ -65,5 +67,4 @@ def forecast_ttft(replica: InstanceReplica, prompt_tokens: int, output_tokens: i
     """:func:`forecast`'s ``ttft_s`` alone, from the same starting point, by a run that
     stops at the request's first token: what ranking by the ``ttft`` objective needs of
     every candidate (only the chosen one needs the run to the end)."""
-    return _start(replica, replica.baseline()).first_token_if(prompt_tokens, output_tokens,
-                                                              replica.scheduler.now_s)
+    return _start(replica, replica.baseline()).first_token_if(prompt_tokens, output_tokens, replica.now_s)

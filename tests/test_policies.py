@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
@@ -168,7 +169,8 @@ def test_forecasts_match_a_plain_simulation_as_time_moves() -> None:
             fast = policy.forecast(request, candidate, now_s)
             replica = view.replica(candidate, now_s)
             plain = replica.scheduler.clone()
-            started_s = plain.now_s
+            started_s = replica.now_s  # the request arrives now, maybe within a step under way
+            assert started_s <= plain.now_s
             row = plain.add_request(request.id, *replica.request_size(request))
             plain.simulate()
             finished_s = plain.finished_at_s(row)
@@ -185,3 +187,64 @@ def test_forecasts_match_a_plain_simulation_as_time_moves() -> None:
         fresh.simulate()
         num_rows = chosen.scheduler.num_rows
         assert np.array_equal(reused.finished_at_s[:num_rows], fresh.times[:num_rows, FINISHED], equal_nan=True)
+
+
+def test_a_beat_sent_during_a_step_is_replayed_from_that_steps_end() -> None:
+    """The emulated engine applies a step when it starts, so a beat sent during a step
+    reports the state that step leaves: it is dated at the step's end (its start plus the
+    published latency model's duration), and a request placed then is forecast to wait
+    out the rest of the step before its own prefill."""
+    from blockq.engine_model import get_preset
+    from dispatcher.forecast import forecast_ttft
+    from workers.engines.base import EngineRequestSpec
+    from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
+    from workers.heartbeat import HeartbeatBuilder
+
+    wall = [50.0]
+    engine = EmulatedEngine(EmulatedEngineOptions(noise_sigma=0.0, stream_tokens=False), clock=lambda: wall[0])
+    engine.add_request(EngineRequestSpec("long", "x", 2000, 64, true_output_tokens=64))
+    step = engine.start_step()
+    assert step is not None and step.num_prefill_tokens == 512
+    step_end_s = step.started_at_s + step.duration_s
+    wall[0] += 0.25 * step.duration_s  # a quarter into the step
+    beat = HeartbeatBuilder("i0", engine, clock=lambda: wall[0]).build("live", ())
+    assert beat.engine_time_s == pytest.approx(0.25 * step.duration_s)
+    assert beat.state_at_s == pytest.approx(step_end_s)
+    assert beat.running[0].num_computed_tokens == 512  # what the step under way leaves
+
+    preset = get_preset("llama2-7b-a30")
+    short_s = preset.latency_model.step_seconds(10, 0, 0)  # an idle engine's whole TTFT for it
+    view = ClusterView(keep_replicas=True)
+    view.apply_heartbeat(beat, wall[0])
+    replica = view.replica(view.instances["i0"], wall[0])
+    assert replica.now_s == pytest.approx(beat.engine_time_s)
+    # Behind the step under way (0.75 of it left) and the long prompt's next chunks.
+    assert forecast_ttft(replica, 10, 20) > 0.75 * step.duration_s + short_s
+    # The same beat read as if its state held at its sending time misses that wait.
+    older = ClusterView(keep_replicas=True)
+    older.apply_heartbeat(dataclasses.replace(beat, state_at_s=None), wall[0])
+    older_replica = older.replica(older.instances["i0"], wall[0])
+    assert forecast_ttft(replica, 10, 20) - forecast_ttft(older_replica, 10, 20) == pytest.approx(
+        0.75 * step.duration_s, rel=0.05)
+
+
+def test_a_step_starting_before_a_placed_request_reaches_the_engine_runs_without_it() -> None:
+    """A request placed now reaches the engine ``delivery_s`` later: a step of the
+    replica starting within that time is taken without it."""
+    from blockq.engine_model import get_preset
+    from dispatcher.forecast import forecast_ttft
+    from dispatcher.replica import InstanceReplica
+
+    preset = get_preset("llama2-7b-a30")
+    decoding = RequestProgress("busy", 40, 44, 5, 500, 900)  # decoding from its 6th token on
+    beat = make_heartbeat("i0", running=(decoding,), sent_at_s=0.0, engine_time_s=0.0)
+    step_s = preset.latency_model.step_seconds(0, 1, 45)  # its next step, from the beat on
+    ttft_s = {}
+    for delivery_s in (0.0, 0.003):
+        replica = InstanceReplica(preset.config, preset.latency_model, delivery_s=delivery_s)
+        replica.sync(beat, (), 0.0)
+        replica.advance(step_s - 0.001)  # 1 ms before that step ends
+        ttft_s[delivery_s] = forecast_ttft(replica, 10, 20)
+    # Taken by the step after it, or (3 ms to arrive) by the one after that.
+    assert ttft_s[0.0] == pytest.approx(0.001 + preset.latency_model.step_seconds(10, 1, 56), rel=0.02)
+    assert ttft_s[0.003] == pytest.approx(ttft_s[0.0] + preset.latency_model.step_seconds(0, 1, 46), rel=0.02)

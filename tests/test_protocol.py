@@ -135,11 +135,15 @@ def test_heartbeat_round_trip() -> None:
                      preset="p", engine_config={"num_gpu_blocks": 10}, latency_model=None, num_used_blocks=4,
                      running=(RequestProgress("a", 10, 12, 2, 50, 90),), waiting=(), num_running_total=1,
                      num_waiting_total=0, finished_ids=("z",), finished_sizes=((30, 7),),
-                     step_samples=((0, 1, 12, 0.02),), lag_p99_ms=4.5, lag_mean_ms=1.25)
+                     step_samples=((0, 1, 12, 0.02),), lag_p99_ms=4.5, lag_mean_ms=1.25, state_at_s=0.52)
     assert decode_heartbeat(encode(beat)) == beat
-    # A beat from a worker that reports no mean lag reads as none.
-    older = {key: value for key, value in beat.to_map().items() if key != "lag_mean_ms"}
+    # A beat from a worker that reports no mean lag reads as none, one without a state
+    # time as a state that holds at its engine time.
+    older = {key: value for key, value in beat.to_map().items() if key not in ("lag_mean_ms", "state_at_s")}
     assert decode_heartbeat(msgpack.packb(older, use_bin_type=True)).lag_mean_ms == 0.0
+    assert decode_heartbeat(msgpack.packb(older, use_bin_type=True)).state_at_s is None
+    with pytest.raises(ValidationError, match="state_at_s"):
+        decode_heartbeat(msgpack.packb(beat.to_map() | {"state_at_s": "soon"}, use_bin_type=True))
     with pytest.raises(ValidationError, match="lag_mean_ms"):
         decode_heartbeat(msgpack.packb(beat.to_map() | {"lag_mean_ms": "slow"}, use_bin_type=True))
     data = beat.to_map() | {"finished_sizes": [[30, "7"]]}

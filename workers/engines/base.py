@@ -96,6 +96,12 @@ class Engine(Protocol):
 
     def model_time_s(self) -> float: ...
 
+    def state_time_s(self) -> float:
+        """The model time at which :meth:`progress`'s state holds, at a step boundary:
+        a dispatcher's replica restores the state there (a state that already includes a
+        step under way holds at that step's end, later than :meth:`model_time_s`)."""
+        ...
+
     def engine_stats(self) -> dict[str, Any]:
         """Counters the engine itself reports (preemptions, KV usage, prefix-cache hits),
         carried in beats as they are."""

@@ -103,6 +103,7 @@ class EmulatedEngine:
         self._tokenizer: AnswerTokenizer | None = None
         self._use_block_hashes = (preset.config.enable_prefix_caching
                                   and _can_use_block_hashes(preset.config.block_size))
+        self._step_under_way: StepResult | None = None
 
     # --- Engine protocol ----------------------------------------------------------------
 
@@ -179,7 +180,8 @@ class EmulatedEngine:
 
     def start_step(self) -> StepResult | None:
         """Run the next step on the engine model (it takes no time here); None when idle."""
-        return self.scheduler.step()
+        self._step_under_way = self.scheduler.step()
+        return self._step_under_way
 
     def step_end_wall_s(self, result: StepResult) -> float:
         """When, on this engine's clock, the step ``result`` ends."""
@@ -188,6 +190,7 @@ class EmulatedEngine:
     def finish_step(self, result: StepResult) -> EngineStepOutput:
         """What the step ``result`` produced, reported at its end (or later: the lag)."""
         lag_ms = max(0.0, (self.clock() - self.step_end_wall_s(result)) * 1000 / self.time_scale)
+        self._step_under_way = None
         scheduler = self.scheduler
         # A late wake-up moves the engine clock on: model time never runs ahead of wall time.
         scheduler.now_s = max(scheduler.now_s, self.model_time_s())
@@ -198,6 +201,19 @@ class EmulatedEngine:
             samples=((result.num_prefill_tokens, result.num_decode_seqs, result.num_kv_tokens_attended,
                       result.duration_s, result.num_prefill_attention_pairs),),
             lag_ms=lag_ms)
+
+    def state_time_s(self) -> float:
+        """When the state :meth:`progress` reports holds. The engine model applies a step
+        when it starts, so during a step the state is the one at its end; that end is
+        given as a real engine could know it (the step's start plus the published latency
+        model's duration for its batch), not with this step's drawn noise."""
+        step = self._step_under_way
+        if step is None:
+            return self.model_time_s()
+        modelled_s = self.base_latency_model.step_seconds(
+            step.num_prefill_tokens, step.num_decode_seqs, step.num_kv_tokens_attended,
+            step.num_prefill_attention_pairs)
+        return max(self.model_time_s(), step.started_at_s + modelled_s)
 
     def progress(self) -> tuple[list[RequestProgress], list[RequestProgress], int]:
         return ([self._progress(r) for r in self.scheduler.running],

@@ -242,6 +242,10 @@ class VllmEngine:
     def model_time_s(self) -> float:
         return time.monotonic() - self._origin_s
 
+    def state_time_s(self) -> float:
+        # vLLM does not expose the step under way: its progress is taken as of now.
+        return self.model_time_s()
+
     def validate(self, spec: EngineRequestSpec) -> str | None:
         max_model_len = self._config["max_model_len"]
         if spec.prompt_tokens >= max_model_len:
