@@ -1,7 +1,8 @@
 """The dispatcher's replica of one instance's scheduler, kept current between beats.
 
 A heartbeat is a snapshot from the past. On each new beat the replica is rebuilt from it
-(:meth:`PackedScheduler.restored`), with output targets from what is known about each
+(:meth:`PackedScheduler.restored`) at the time its state holds (``state_at_s``: the end of
+the step under way when the engine reports the state that step leaves), with output targets from what is known about each
 request (:mod:`dispatcher.lengths`: tokens generated so far and the conditional length
 distribution, of the first guess or, once the worker reports one, of the latest
 remaining-length refinement: :mod:`workers.refinement`), advanced by the model time elapsed since the beat, and given back the
@@ -40,8 +41,7 @@ SPARE_ROWS = 32  # room for the assignments expected before the next rebuild
 # of the decision batch, the queue write, the worker's read: about 1.5 ms live and in the
 # simulation), plus a margin for steps that end earlier than the replica expects: a
 # step that starts within this much of a decision is taken to start without the request.
-# Measured (README, "Below the knee"): 0 / 1.5 / 3 / 5 / 8 ms gave mean TTFT 83 / 81 / 80 /
-# 80 / 79 ms (seed 1: 81.3 / 79.3 / 78.1 / 77.9 / 79.1) and P99 565 / 569 / 568 / 573 / 577.
+# Chosen by measurement: README, "Below the knee and past it".
 DELIVERY_S = 0.003
 
 
