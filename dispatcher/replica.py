@@ -2,13 +2,14 @@
 
 A heartbeat is a snapshot from the past. On each new beat the replica is rebuilt from it
 (:meth:`PackedScheduler.restored`) at the time its state holds (``state_at_s``: the end of
-the step under way when the engine reports the state that step leaves), with output targets from what is known about each
-request (:mod:`dispatcher.lengths`: tokens generated so far and the conditional length
-distribution, of the first guess or, once the worker reports one, of the latest
-remaining-length refinement: :mod:`workers.refinement`), advanced by the model time elapsed since the beat, and given back the
-requests this dispatcher assigned that the beat does not show yet. Between beats, the
-replica advances along its own deterministic trajectory, and each assignment is added to
-it at once, so that the next decision sees it.
+the step under way when the engine reports the state that step leaves), with output
+targets from what is known about each request (:mod:`dispatcher.lengths`: tokens
+generated so far and the conditional length distribution, of the first guess or, once the
+worker reports one, of the latest remaining-length refinement: :mod:`workers.refinement`),
+advanced by the model time elapsed since the beat, and given back the requests this
+dispatcher assigned that the beat does not show yet. Between beats, the replica advances
+along its own deterministic trajectory, and each assignment is added to it at once, so
+that the next decision sees it.
 
 The latency model starts from the one the instance publishes and is refitted online from
 the step timings in its beats, so the replica follows the real hardware.

@@ -51,7 +51,8 @@ class HeartbeatBuilder:
         self.seq += 1
         beat = Heartbeat(
             instance_id=self.instance_id, state=state, seq=self.seq, sent_at_s=self.clock(),
-            engine_time_s=self.engine.model_time_s(), state_at_s=self.engine.state_time_s(), model=self.engine.model, preset=self.engine.preset,
+            engine_time_s=self.engine.model_time_s(), state_at_s=self.engine.state_time_s(),
+            model=self.engine.model, preset=self.engine.preset,
             engine_config=self.engine.engine_config(), latency_model=self.engine.latency_model(),
             num_used_blocks=num_used_blocks,
             running=tuple(running[:MAX_HEARTBEAT_REQUESTS]), waiting=tuple(waiting[:MAX_HEARTBEAT_REQUESTS]),
