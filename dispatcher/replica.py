@@ -135,12 +135,11 @@ class InstanceReplica:
         scheduler = PackedScheduler.restored(
             self.config, self.latency_model, state_at_s, self._restored_rows(beat.running),
             self._restored_rows(beat.waiting), spare_rows=SPARE_ROWS)
-        self.now_s = self.model_time_s(now_wall_s)
-        scheduler.simulate(until_s=self.model_time_s(now_wall_s + self.delivery_s))
+        self.scheduler = scheduler
+        self.advance(now_wall_s)
         rows = self._new_rows
         scheduler.add_requests([rows.get(request.id) or (request.id, *self.request_size(request))
                                 for request in assigned_not_seen])
-        self.scheduler = scheduler
         self._forget_finished(beat.finished_ids)
         self.version += 1
 
