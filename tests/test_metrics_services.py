@@ -281,7 +281,10 @@ def test_worker_process_serves_metrics_on_the_env_port(settings: Settings, tmp_p
                     text = reply.read().decode()
             except OSError:
                 return None
-            return text if 'instance_id="env-1"' in text else None
+            # Both instances' gauges exist from the start at 0; a beat sets them. Wait for
+            # both instances and env-0's first beat, not only for the labels to appear.
+            ready = 'instance_id="env-1"' in text and total(text, "blockq_worker_kv_blocks_total", instance_id="env-0")
+            return text if ready else None
 
         try:
             text = str(wait_until(scraped, timeout_s=60, interval_s=0.1))
