@@ -6,7 +6,9 @@ tokens. It finds them by hashing the prompt block by block, each hash covering t
 previous one (the *parent*) and the block's token ids, as vLLM does: equal hashes mean
 equal prefixes up to and including that block, so a cache lookup walks the hashes from
 the first and stops at the first miss. Only full blocks are hashed; the prompt's partial
-last block is never shared.
+last block is never shared. The engine goes on hashing as it generates: once an output
+token fills a block, that block (prompt tail and output) is cached too, so a conversation's
+next turn, whose prompt repeats this one and its answer, finds the answer's blocks.
 
 The hash is blake2b truncated to 63 bits (a non-negative int64 in msgpack and numpy), not
 Python's ``hash``, which is salted per process: the predictor that computes the hashes,
@@ -82,6 +84,39 @@ def prompt_block_hashes(prompts: Sequence[str | Sequence[int]],
     text_ids = iter(_encode_texts(texts))
     return [block_hashes(next(text_ids) if isinstance(prompt, str) else prompt, block_size)
             for prompt in prompts]
+
+
+@functools.lru_cache(maxsize=32_768)
+def answer_block_hashes(prompt: str | tuple[int, ...], answer: str) -> tuple[int, ...]:
+    """:func:`block_hashes` of the prompt's token ids followed by the answer's (the project
+    tokenizer's): the blocks an engine caches while it generates a known answer (a trace's
+    recorded one). The first ``len(token_ids) // block size`` of them are the prompt's own
+    :func:`prompt_block_hashes`. Cached per (prompt, answer): a simulation replays the same
+    requests run after run.
+
+    Raises:
+        RuntimeError: when the tokenizer's packages are missing.
+    """
+    tokenizer = _tokenizer()
+    if isinstance(prompt, str):
+        prompt_ids, answer_ids = tokenizer.encode([prompt, answer])
+    else:
+        prompt_ids, answer_ids = list(prompt), tokenizer.encode([answer])[0]
+    return block_hashes(prompt_ids + answer_ids)
+
+
+def continued_block_hashes(prompt: str | tuple[int, ...], prompt_hashes: tuple[int, ...],
+                           answer: str | None) -> tuple[int, ...]:
+    """``prompt_hashes`` continued over ``answer`` (:func:`answer_block_hashes`) where that
+    can be done: an answer is given, the tokenizer loads, and it gives the prompt the same
+    hashes (hashes made with another tokenizer stay as they are)."""
+    if not prompt_hashes or not answer:
+        return prompt_hashes
+    try:
+        full = answer_block_hashes(prompt, answer)
+    except RuntimeError:
+        return prompt_hashes
+    return full if full[:len(prompt_hashes)] == prompt_hashes else prompt_hashes
 
 
 def _encode_texts(texts: list[str]) -> list[list[int]]:

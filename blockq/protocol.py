@@ -326,14 +326,17 @@ def _decode_prompt(data: Mapping[str, Any], limits: ProtocolLimits) -> str | tup
 
 def _decode_block_hashes(data: Mapping[str, Any], limits: ProtocolLimits) -> tuple[int, ...]:
     # One hash per full block, so never more than the longest token-id prompt has blocks.
-    hashes = _get(data, "prompt_block_hashes", (list, tuple), required=False)
+    return _block_hash_list(data, "prompt_block_hashes", limits.max_prompt_token_ids // PREFIX_BLOCK_TOKENS + 1)
+
+
+def _block_hash_list(data: Mapping[str, Any], name: str, max_hashes: int) -> tuple[int, ...]:
+    hashes = _get(data, name, (list, tuple), required=False)
     if not hashes:
         return ()
-    max_hashes = limits.max_prompt_token_ids // PREFIX_BLOCK_TOKENS + 1
     if len(hashes) > max_hashes:
-        raise ValidationError("prompt_block_hashes", f"must have at most {max_hashes} entries (got {len(hashes)})")
+        raise ValidationError(name, f"must have at most {max_hashes} entries (got {len(hashes)})")
     if not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**63 for h in hashes):
-        raise ValidationError("prompt_block_hashes", "entries must be integers in [0, 2**63)")
+        raise ValidationError(name, "entries must be integers in [0, 2**63)")
     return tuple(hashes)
 
 
@@ -541,6 +544,9 @@ def decode_request(raw: bytes, limits: ProtocolLimits = DEFAULT_LIMITS, *, keys:
 
 INSTANCE_STATES = ("joining", "live", "draining", "stopped")
 MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
+# Output blocks newly cached per beat: a beat every 100 ms rarely finishes more than a few
+# requests; past this the oldest are dropped (the dispatcher then predicts fewer hits).
+MAX_HEARTBEAT_CACHED_BLOCKS = 4096
 
 
 class RequestProgress(NamedTuple):
@@ -588,7 +594,11 @@ class Heartbeat:
     a busy host; 0 for a real engine), the p99 and the mean. ``state_at_s``: the engine
     (model) time at which ``running`` and ``waiting`` hold, at a step boundary: an engine
     that reports the state a step under way will leave gives that step's end; None (older
-    beats): ``engine_time_s``.
+    beats): ``engine_time_s``. ``cached_block_hashes``: with prefix caching, the block
+    hashes (:mod:`blockq.prefix`) of the output blocks that requests finished since the
+    previous beat left in the prefix cache (the engine caches a block once it is full, prompt
+    or output), at most :data:`MAX_HEARTBEAT_CACHED_BLOCKS`: what the dispatcher's prefix
+    index cannot know from the prompts it placed.
     """
 
     instance_id: str
@@ -616,6 +626,7 @@ class Heartbeat:
     # num_waiting_reqs, kv_cache_usage, num_preemptions_total, prefix_cache_*_total).
     engine_stats: dict[str, Any] | None = None
     state_at_s: float | None = None
+    cached_block_hashes: tuple[int, ...] = ()
 
     def to_map(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -624,6 +635,7 @@ class Heartbeat:
         data["finished_ids"] = list(self.finished_ids)
         data["finished_sizes"] = [list(s) for s in self.finished_sizes]
         data["step_samples"] = [list(s) for s in self.step_samples]
+        data["cached_block_hashes"] = list(self.cached_block_hashes)
         return {"v": SCHEMA_VERSION, "kind": "heartbeat", **data}
 
     @classmethod
@@ -640,6 +652,7 @@ class Heartbeat:
         values["step_samples"] = tuple(tuple(s) for s in data.get("step_samples") or ())
         values["lag_mean_ms"] = _get_float(data, "lag_mean_ms") if "lag_mean_ms" in data else 0.0
         values["state_at_s"] = _get_float(data, "state_at_s", required=False)
+        values["cached_block_hashes"] = _block_hash_list(data, "cached_block_hashes", MAX_HEARTBEAT_CACHED_BLOCKS)
         _get(data, "instance_id", str)
         _get(data, "seq", int)
         _get_float(data, "sent_at_s")

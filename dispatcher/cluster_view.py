@@ -140,6 +140,9 @@ class ClusterView:
         view.health = beat.state
         if view.prefix_index is None and _indexes_prefixes(beat):
             view.prefix_index = PrefixIndex(max(1, int(beat.engine_config.get("num_gpu_blocks") or 1)))
+        if view.prefix_index is not None and beat.cached_block_hashes:
+            # Output blocks its finished requests left cached: placements cannot show them.
+            view.prefix_index.record(beat.cached_block_hashes)
         if beat.state != "stopped":
             view.left_reported = False
         if beat.state not in ("draining", "stopped"):

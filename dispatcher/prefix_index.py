@@ -6,7 +6,10 @@ mean equal prefixes), and evicts them least recently used when it needs room. Th
 dispatcher sees every request it places, with its prompt's block hashes
 (``Request.prompt_block_hashes``), so it keeps one :class:`PrefixIndex` per instance: the
 hashes of the prompts placed there, most recently used last, at most the instance's KV
-capacity in blocks. A request's predicted hit on an instance is its longest leading run of
+capacity in blocks. The engine also caches the blocks a request's output fills (a
+conversation's next turn repeats the answer), which no placement shows: the instance's
+beats name those of finished requests (``Heartbeat.cached_block_hashes``), and they are
+recorded as they arrive. A request's predicted hit on an instance is its longest leading run of
 hashes found there. Only instances whose KV blocks are the hashes' size
 (:data:`~blockq.prefix.PREFIX_BLOCK_TOKENS`) get an index: another block size caches other
 boundaries, and no hit is predicted there.
@@ -62,7 +65,7 @@ class PrefixIndex:
         return cached_tokens(self.cached_prefix_blocks(block_hashes), prompt_tokens, self.block_tokens)
 
     def record(self, block_hashes: Sequence[int]) -> None:
-        """A request with these blocks was placed here: they are now the most recently used."""
+        """These blocks were placed here or reported cached: now the most recently used."""
         blocks = self._blocks
         for block_hash in block_hashes:
             if block_hash in blocks:

@@ -6,7 +6,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from blockq.protocol import MAX_HEARTBEAT_REQUESTS, Heartbeat, RequestProgress
+from blockq.protocol import (
+    MAX_HEARTBEAT_CACHED_BLOCKS,
+    MAX_HEARTBEAT_REQUESTS,
+    Heartbeat,
+    RequestProgress,
+)
 from workers.engines.base import Engine, EngineStepOutput
 from workers.refinement import RefinementSource, with_refinement
 
@@ -30,9 +35,11 @@ class HeartbeatBuilder:
         self._samples: deque[tuple[int, int, int, float, int]] = deque(maxlen=MAX_STEP_SAMPLES)
         self._finished: deque[str] = deque(maxlen=MAX_FINISHED_IDS)
         self._finished_sizes: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED_IDS)
+        self._cached_blocks: deque[int] = deque(maxlen=MAX_HEARTBEAT_CACHED_BLOCKS)
 
     def record_step(self, output: EngineStepOutput) -> None:
         self._samples.extend(output.samples)
+        self._cached_blocks.extend(output.cached_block_hashes)
 
     def record_finished(self, request_id: str) -> None:
         self._finished.append(request_id)
@@ -59,10 +66,12 @@ class HeartbeatBuilder:
             num_running_total=len(running), num_waiting_total=len(waiting),
             finished_ids=tuple(self._finished), finished_sizes=tuple(self._finished_sizes), step_samples=tuple(self._samples),
             lag_p99_ms=lag_p99_ms, lag_mean_ms=lag_mean_ms, time_scale=self.engine.time_scale, engine_stats=self.engine.engine_stats(),
-            truncated=len(running) > MAX_HEARTBEAT_REQUESTS or len(waiting) > MAX_HEARTBEAT_REQUESTS)
+            truncated=len(running) > MAX_HEARTBEAT_REQUESTS or len(waiting) > MAX_HEARTBEAT_REQUESTS,
+            cached_block_hashes=tuple(self._cached_blocks))
         self._samples.clear()
         self._finished.clear()
         self._finished_sizes.clear()
+        self._cached_blocks.clear()
         return beat
 
 

@@ -1,7 +1,7 @@
 """Paged KV-cache accounting: free blocks and, with prefix caching, cached block hashes.
 
 The pool counts blocks, it does not name them. A request holds ``num_blocks`` blocks; the
-first ``num_hashed_blocks`` of them are registered under their prompt-block hash and may
+first ``num_hashed_blocks`` of them are registered under their block hash and may
 be shared by several requests (counted once). When the last holder of a hashed block lets
 it go, the block becomes free but keeps its content: it stays *evictable* in LRU order
 and can be claimed again by a request with the same prefix until a fresh allocation
@@ -125,7 +125,8 @@ class BlockPool:
         request.num_computed_tokens = num_hits * self.block_size
 
     def register_computed(self, request: EngineRequest) -> None:
-        """Register the request's newly completed prompt blocks under their hashes.
+        """Register the request's newly completed blocks (prompt, or output where its hashes
+        cover it) under their hashes.
 
         A hash already held by another request (two identical prefixes computed at once)
         stops registration: the duplicate stays private to this request, as in vLLM,

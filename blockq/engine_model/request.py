@@ -18,7 +18,9 @@ class EngineRequest:
     preempted one (``num_computed_tokens == 0``) recomputes prompt and output as prefill.
 
     ``output_target_tokens``: generation stops after this many output tokens.
-    ``prefix_block_hashes``: hashes of the full leading prompt blocks, for prefix caching.
+    ``prefix_block_hashes``: hashes of the full leading blocks of the request's tokens, for
+    prefix caching: the prompt's, and where the output is known in advance (a replayed
+    answer) the output's too, so that blocks the output fills are cached as in vLLM.
     Times are model seconds; ``None`` means "not yet".
     ``num_blocks`` / ``num_hashed_blocks``: KV blocks held, and how many leading ones are
     registered in the prefix cache (maintained by the scheduler; zero while waiting).

@@ -189,12 +189,18 @@ class StepBuilder:
             len(self.running), len(self.waiting))
 
     def _advance_decodes(self, produced: list[str], finished: list[EngineRequest]) -> int:
-        """Every decode computes one token and samples one; returns the KV tokens read."""
+        """Every decode computes one token and samples one; returns the KV tokens read.
+        With prefix caching, a token that fills a block registers that block, as vLLM
+        caches output blocks (when the request's hashes reach that far: a known answer's)."""
         num_kv_tokens = 0
+        pool, block_size = self.pool, self.config.block_size
+        register_prefix = self.config.enable_prefix_caching
         for request in self.decodes:
             num_computed = request.num_computed_tokens + 1
             request.num_computed_tokens = num_computed
             num_kv_tokens += num_computed
+            if register_prefix and num_computed % block_size == 0:
+                pool.register_computed(request)
             num_generated = request.num_generated_tokens + 1
             request.num_generated_tokens = num_generated
             produced.append(request.request_id)

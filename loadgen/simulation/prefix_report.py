@@ -7,14 +7,15 @@ measure (``prefix_hit_rate`` of the run's summary, from their own counters):
   instances it chose (:mod:`dispatcher.prefix_index`), over every request it placed;
 - ``prefix_hit_rate_ideal``: an infinite cache and every request on the instance holding
   its longest prefix, i.e. each request's longest leading run of blocks that any earlier
-  request (in arrival order) had. No placement can beat it; load balance costs from it.
+  request (in arrival order) had, its prompt's or (where the recorded answer names them)
+  the blocks its answer filled, as if the earlier answer were complete. No placement can beat it; load balance costs from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockq.prefix import PREFIX_BLOCK_TOKENS
+from blockq.prefix import PREFIX_BLOCK_TOKENS, continued_block_hashes
 from blockq.protocol import Request
 from dispatcher.core import CoreStats
 from dispatcher.prefix_index import cached_tokens
@@ -37,10 +38,20 @@ def ideal_prefix_hit_rate(requests_in_arrival_order: Sequence[Request],
                 break
             num_blocks += 1
         num_cached_tokens += cached_tokens(num_blocks, prompt_tokens, block_tokens)
-        seen.update(hashes)
+        seen.update(_blocks_left_cached(request, prompt_tokens, block_tokens))
     if not seen or not num_prompt_tokens:
         return None
     return num_cached_tokens / num_prompt_tokens
+
+
+def _blocks_left_cached(request: Request, prompt_tokens: int, block_tokens: int) -> tuple[int, ...]:
+    """The prompt's blocks and those its answer fills, as far as it is served (the last
+    sampled token is never computed), where the recorded answer names them."""
+    hashes = continued_block_hashes(request.prompt, request.prompt_block_hashes, request.trace_output_text)
+    if len(hashes) == len(request.prompt_block_hashes):
+        return hashes
+    num_output_tokens = min(request.true_output_tokens or request.max_tokens, request.max_tokens)
+    return hashes[:max(len(request.prompt_block_hashes), (prompt_tokens + num_output_tokens - 1) // block_tokens)]
 
 
 def predicted_prefix_hit_rate(stats: CoreStats) -> float | None:

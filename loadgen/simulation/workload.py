@@ -104,7 +104,8 @@ def annotate_sample(trace_requests: Sequence[TraceRequest], seed: int, *, predic
     raw = [Request(id=f"s{seed}-{index:06d}", prompt=request.prompt, max_tokens=max_tokens_for(request, options),
                    reply_stream=keys.reply(f"s{seed}-{index:06d}"), submitted_at_s=0.0,
                    true_output_tokens=request.true_output_tokens,
-                   trace_predicted_output_tokens=request.predicted_output_tokens)
+                   trace_predicted_output_tokens=request.predicted_output_tokens,
+                   trace_output_text=request.output_text)
            for index, request in enumerate(trace_requests)]
     annotated: list[Request | None] = []
     rejected: dict[int, str] = {}

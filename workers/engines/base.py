@@ -37,6 +37,9 @@ class EngineStepOutput:
     # however many vLLM ran for the vLLM adapter.
     samples: tuple[tuple[int, int, int, float, int], ...] = ()
     lag_ms: float = 0.0
+    # With prefix caching: block hashes (blockq.prefix) of the output blocks that the
+    # requests finished in this step left cached; empty where the engine cannot name them.
+    cached_block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,10 @@ end: an overloaded host shows up there instead of silently stretching the result
 With prefix caching on (``config_overrides`` with ``enable_prefix_caching``), requests
 are looked up in the engine model's prefix cache by the block hashes they carry
 (:mod:`blockq.prefix`), and ``engine_stats`` reports the scheduler's counts of tokens
-looked up and found cached under vLLM's names. The hashes are of
+looked up and found cached under vLLM's names. A request that carries its recorded answer
+has its hashes continued over the answer's tokens, so that the blocks its output fills are
+cached as vLLM caches them; each step reports the output blocks that finished requests left
+cached (``cached_block_hashes``), which the beats pass on to the dispatcher. The hashes are of
 :data:`~blockq.prefix.PREFIX_BLOCK_TOKENS`-token blocks: an engine with another block size
 cannot use them (it logs so once and caches nothing).
 """
@@ -35,7 +38,7 @@ from typing import Any
 import structlog
 
 from blockq.engine_model import EngineRequest, EngineScheduler, StepResult, get_preset
-from blockq.prefix import PREFIX_BLOCK_TOKENS
+from blockq.prefix import PREFIX_BLOCK_TOKENS, continued_block_hashes
 from blockq.protocol import RequestProgress
 from blockq.tokenizer import AnswerTokenizer
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
@@ -145,7 +148,7 @@ class EmulatedEngine:
         self.scheduler.add_request(EngineRequest(
             request_id=spec.request_id, prompt_tokens=spec.prompt_tokens,
             output_target_tokens=output_tokens, arrival_s=self.scheduler.now_s,
-            prefix_block_hashes=spec.prefix_block_hashes if self._use_block_hashes else ()))
+            prefix_block_hashes=self._block_hashes(spec)))
         self._specs[spec.request_id] = spec
         self._num_emitted[spec.request_id] = 0
         if spec.output_text and self.options.stream_tokens:
@@ -195,8 +198,10 @@ class EmulatedEngine:
         # A late wake-up moves the engine clock on: model time never runs ahead of wall time.
         scheduler.now_s = max(scheduler.now_s, self.model_time_s())
         self._num_preemptions_total += len(result.preempted_ids)
+        cached = tuple(block_hash for request in result.finished
+                       for block_hash in self._cached_output_blocks(request)) if self._use_block_hashes else ()
         return EngineStepOutput(
-            events=self._events(result), preempted_ids=result.preempted_ids,
+            events=self._events(result), preempted_ids=result.preempted_ids, cached_block_hashes=cached,
             model_time_s=scheduler.now_s,
             samples=((result.num_prefill_tokens, result.num_decode_seqs, result.num_kv_tokens_attended,
                       result.duration_s, result.num_prefill_attention_pairs),),
@@ -261,6 +266,23 @@ class EmulatedEngine:
         del self._specs[request_id], self._num_emitted[request_id]
         self._token_texts.pop(request_id, None)
         return "length" if num_output_tokens >= spec.max_tokens else "stop"
+
+    def _block_hashes(self, spec: EngineRequestSpec) -> tuple[int, ...]:
+        """The request's block hashes for the prefix cache: its prompt's, continued over its
+        recorded answer when it carries one (the blocks its output fills are then cached as
+        vLLM caches them; without the answer's tokens they cannot be named)."""
+        if not self._use_block_hashes:
+            return ()
+        return continued_block_hashes(spec.prompt, spec.prefix_block_hashes, spec.output_text)
+
+    def _cached_output_blocks(self, request: EngineRequest) -> tuple[int, ...]:
+        """The output blocks a finished request left cached: its blocks past the prompt's
+        that its computed tokens filled (the last sampled token's KV is never computed)."""
+        spec = self._specs.get(request.request_id)
+        if spec is None:
+            return ()
+        num_full = (request.prompt_tokens + request.num_generated_tokens - 1) // self.config.block_size
+        return request.prefix_block_hashes[len(spec.prefix_block_hashes):num_full]
 
     def _answer_tokens(self, text: str) -> list[str]:
         if self._tokenizer is None:
