@@ -22,6 +22,9 @@ from typing import IO, Any
 
 import structlog
 
+from blockq.gateway.chat_template import render_plain
+from blockq.gateway.openai_requests import ChatMessage
+
 logger = structlog.get_logger(__name__)
 
 # Speaker names seen in ShareGPT dumps and their derivatives.
@@ -201,6 +204,16 @@ def pairs_of_conversation(
             break
         history.extend((human[1], gpt[1]))
     return pairs
+
+
+def render_turn_prompt(pair: SharegptPair) -> str:
+    """The prompt of one turn as a chat client sends it: its history and new message,
+    rendered by the gateway's ``plain`` template (``user: ...\nassistant: ...\nuser: <new>
+    \nassistant:``), so that turn k's prompt starts with turn k-1's and its answer."""
+    roles = ("user", "assistant")
+    messages = [ChatMessage(role=roles[index % 2], content=text) for index, text in enumerate(pair.history)]
+    messages.append(ChatMessage(role="user", content=pair.prompt))
+    return render_plain(messages)
 
 
 def iter_pairs(

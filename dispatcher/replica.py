@@ -132,9 +132,10 @@ class InstanceReplica:
         # The state holds at a step boundary (the end of the step under way when the
         # engine reports the state that step leaves), not at the beat's own time.
         state_at_s = beat.engine_time_s if beat.state_at_s is None else beat.state_at_s
+        running = self._restored_rows(beat.running)
         scheduler = PackedScheduler.restored(
-            self.config, self.latency_model, state_at_s, self._restored_rows(beat.running),
-            self._restored_rows(beat.waiting), spare_rows=SPARE_ROWS)
+            self.config, self.latency_model, state_at_s, running, self._restored_rows(beat.waiting),
+            spare_rows=SPARE_ROWS, shared_blocks=self._shared_blocks(beat, running))
         self.scheduler = scheduler
         self.advance(now_wall_s)
         rows = self._new_rows
@@ -228,11 +229,27 @@ class InstanceReplica:
                 belief = beliefs.get(item.request_id) or belief_from_prediction(
                     item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
             prompt_tokens = min(item.prompt_tokens, max_model_len - 1)
+            if not item.num_computed_tokens and (placed := self._new_rows.get(item.request_id)) is not None:
+                # Not started yet: it will find cached what it was predicted to when placed
+                # here (a beat does not say), as its row did before the beat showed it.
+                prompt_tokens = min(prompt_tokens, placed[1])
             target = min(belief.remaining_target(item.num_generated_tokens, lengths), max_model_len - prompt_tokens)
             if item.num_generated_tokens >= target:
                 continue  # at its length limit: finishes on its next token, nothing to model
             rows.append((item.request_id, prompt_tokens, target, item.num_computed_tokens, item.num_generated_tokens))
         return rows
+
+    def _shared_blocks(self, beat: Heartbeat, running: list[RestoredRow]) -> int:
+        """KV blocks the running requests share (with prefix caching): what their rows
+        hold beyond the blocks the engine reports in use. Running requests of one
+        conversation hold its earlier turns' blocks once; counted per row, the replica
+        would see the instance fuller than it is, and queue what the engine runs."""
+        if self.prefix_index is None or beat.truncated:
+            return 0
+        block_size = self.config.block_size
+        num_held = sum(-(-min(computed, prompt + generated - 1) // block_size)
+                       for _, prompt, _, computed, generated in running)
+        return max(0, num_held - beat.num_used_blocks)
 
     def _observe_samples(self, beat: Heartbeat) -> None:
         for sample in beat.step_samples:

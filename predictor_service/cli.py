@@ -60,7 +60,8 @@ def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
         help=f"share of conversations held out ({DEFAULT_VAL_FRACTION})",
     )
     train_parser.add_argument(
-        "--multi-turn", action="store_true", help="also train on later human->gpt turns"
+        "--multi-turn", action="store_true",
+        help="also train on later human->gpt turns (rendered conversations; fast: read as message + history)"
     )
     train_parser.add_argument("--max-examples", type=int, help="read at most this many prompts")
     fast_group = train_parser.add_argument_group("fast backend")
@@ -193,6 +194,8 @@ def handle_train(args: argparse.Namespace) -> int:
             num_rounds=args.num_rounds,
             num_threads=args.num_threads,
             use_embeddings=args.embeddings,
+            # Later turns are rendered conversations: read them as message + history.
+            conversation_features=args.multi_turn,
             **({"text_score": None} if args.no_text_score else {}),
         ),
         "base_model": args.base_model,

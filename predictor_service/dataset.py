@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from blockq.sharegpt import iter_conversations, iter_pairs
+from blockq.sharegpt import iter_conversations, iter_pairs, render_turn_prompt
 from blockq.tokenizer import TokenCounter
 from predictor_service.models.base import PredictionInput
 
@@ -97,8 +97,9 @@ def iter_distinct_pairs(
 ) -> Iterator[tuple[str, str, str, int]]:
     """(conversation id, prompt, answer, human turns so far) of a ShareGPT file's pairs,
     as every model reads them: blank prompts or answers skipped, prompts deduplicated on
-    their exact text (first occurrence kept); a later turn's prompt is the earlier turns
-    and the human turn joined by newlines. ``max_examples`` stops early."""
+    their exact text (first occurrence kept); a later turn's prompt is the conversation so
+    far as a chat client sends it (:func:`blockq.sharegpt.render_turn_prompt`, the
+    gateway's ``plain`` template). ``max_examples`` stops early."""
     path = Path(data_path)
     if not path.is_file():
         raise FileNotFoundError(f"ShareGPT data file not found: {path}")
@@ -106,7 +107,7 @@ def iter_distinct_pairs(
     for pair in iter_pairs(path, first_turn_only=first_turn_only):
         if not pair.prompt.strip() or not pair.answer.strip():
             continue
-        prompt = "\n".join((*pair.history, pair.prompt)) if pair.history else pair.prompt
+        prompt = render_turn_prompt(pair) if pair.history else pair.prompt
         if prompt in seen_prompts:
             continue
         seen_prompts.add(prompt)
@@ -126,7 +127,7 @@ def load_examples(
 
     Pairs whose prompt or answer is blank are skipped; prompts are deduplicated on
     their exact text (first occurrence kept). For later turns (``first_turn_only=False``)
-    the prompt is the earlier turns and the human turn joined by newlines, and
+    the prompt is the conversation so far (:func:`iter_distinct_pairs`), and
     ``num_turns`` counts the human turns so far. ``max_examples`` stops early.
     """
     path = Path(data_path)

@@ -99,3 +99,5 @@ def test_multi_turn_examples_include_history_and_dedupe(tmp_path: Path) -> None:
     later = [example for example in every_turn if example.num_turns == 2]
     assert later and len(every_turn) == len(first_only) + len(later)
     assert all(example.prompt_tokens > 20 and "\n" in example.prompt for example in later)
+    # Rendered as a chat client sends them (the gateway's plain template).
+    assert all(example.prompt.startswith("user: ") and example.prompt.endswith("\nassistant:") for example in later)

@@ -184,3 +184,58 @@ def test_the_ideal_hit_rate_counts_blocks_an_earlier_answer_filled() -> None:
     num_found = next(i for i, block_hash in enumerate(second_hashes) if block_hash not in answered)
     assert num_found > len(first_hashes) + 5
     assert with_answer == pytest.approx(num_found * 16 / total_tokens)
+
+
+# --- the dispatcher's replicas under sharing --------------------------------------------------
+
+
+def _prefix_core(*, prefix_caching: bool, num_used_blocks: int, waiting: tuple = ()):  # noqa: ANN202
+    from blockq.protocol import RequestProgress
+    from dispatcher.core import DispatcherCore
+
+    # Two turns of one conversation run at once: each has 2,400 tokens computed (150 blocks),
+    # and the engine holds the first turn's blocks once.
+    running = tuple(RequestProgress(f"turn-{i}", 2400, 2400, 1, 200, 400) for i in (1, 2))
+    beat = make_heartbeat("a", sent_at_s=time.time(), running=running, waiting=waiting, num_gpu_blocks=260,
+                          num_used_blocks=num_used_blocks)
+    beat = dataclasses.replace(beat, engine_config={**beat.engine_config, "enable_prefix_caching": prefix_caching})
+    core = DispatcherCore("block", seed=0, slo_ttft_ms=None)
+    core.apply_heartbeat(beat, time.time())
+    view = core.view.instances["a"]
+    return core, view, core.view.replica(view, time.time())
+
+
+def test_the_replica_credits_blocks_that_running_requests_share() -> None:
+    _, _, shared = _prefix_core(prefix_caching=True, num_used_blocks=160)
+    assert len(shared.scheduler.running_rows()) == 2 and not shared.scheduler.waiting_rows()
+    # (less a block each if the replica already ran their next decode, into block 151)
+    assert 260 - 160 - 2 <= shared.scheduler.num_free_blocks <= 260 - 160
+    # Without prefix caching nothing is shared: the rows' own blocks (150 + 150 > 260)
+    # decide, and the second turn starts over (a recompute), as the engine would make it.
+    computed = {}
+    for prefix_caching, num_used_blocks in ((True, 160), (False, 150)):
+        _, _, replica = _prefix_core(prefix_caching=prefix_caching, num_used_blocks=num_used_blocks)
+        scheduler = replica.scheduler
+        rows = scheduler.running_rows() + scheduler.waiting_rows()
+        computed[prefix_caching] = sorted(scheduler.request(row).num_computed_tokens for row in rows)
+    assert computed[True][0] >= 2400 and computed[False][0] <= 512
+
+
+def test_a_placed_request_keeps_its_predicted_hit_while_it_waits() -> None:
+    from blockq.protocol import RequestProgress
+
+    core, view, replica = _prefix_core(prefix_caching=True, num_used_blocks=160)
+    assert view.prefix_index is not None
+    hashes = tuple(range(500, 564))  # 64 blocks, all believed cached
+    view.prefix_index.record(hashes)
+    request = dataclasses.replace(make_request(" ".join(["w"] * 1024), max_tokens=256, predicted=100),
+                                  prompt_block_hashes=hashes)
+    core.view.record_assignment("a", request)
+    assert replica.request_size(request)[0] == 1
+    # The next beat shows it waiting, nothing computed: it is still simulated as a hit.
+    beat = dataclasses.replace(view.heartbeat, seq=2, sent_at_s=time.time(),
+                               waiting=(RequestProgress(request.id, 1024, 0, 0, 100, 200),), num_waiting_total=1)
+    core.apply_heartbeat(beat, time.time())
+    replica.sync(beat, (), time.time())
+    row = replica.scheduler.request_ids.index(request.id)
+    assert replica.scheduler.request(row).prompt_tokens == 1

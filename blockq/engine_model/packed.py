@@ -79,7 +79,7 @@ class PackedScheduler:
     @classmethod
     def restored(cls, config: EngineConfig, latency_model: StepLatencyModel, now_s: float,
                  running: Sequence[RestoredRow], waiting: Sequence[RestoredRow],
-                 spare_rows: int = 16) -> PackedScheduler:
+                 spare_rows: int = 16, shared_blocks: int = 0) -> PackedScheduler:
         """What :meth:`EngineScheduler.restore` then :meth:`from_scheduler` build, written
         straight into the arrays (the tests compare both): a dispatcher rebuilds a replica
         from a beat every few hundred milliseconds, and the objects in between cost more
@@ -90,11 +90,16 @@ class PackedScheduler:
         blocks for them, in order, while they fit; from the first that does not, the rest
         queue before ``waiting`` with nothing computed.
 
+        ``shared_blocks``: blocks that several running rows hold at once (a prefix cache
+        shares a prompt's blocks; the packed rows cannot say which): each row counts them,
+        the engine once, so they are credited to the free blocks. The count stays right as
+        rows finish: the last holder's release is the one the credit stands for.
+
         Raises:
             ValueError: as :meth:`EngineScheduler.restore`, naming the field.
         """
         max_model_len, block_size = config.max_model_len, config.block_size
-        free_blocks = config.num_gpu_blocks
+        free_blocks = config.num_gpu_blocks + max(0, shared_blocks)
         seen: set[str] = set()
         admitted: list[tuple[str, int, int, int, int, int]] = []   # id, prompt, target, computed, generated, blocks
         queued: list[tuple[str, int, int, int, int, int]] = []

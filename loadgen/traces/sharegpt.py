@@ -29,9 +29,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TypeVar
 
-from blockq.gateway.chat_template import render_plain
-from blockq.gateway.openai_requests import ChatMessage
-from blockq.sharegpt import SharegptPair, iter_pairs, iter_sessions
+from blockq.sharegpt import SharegptPair, iter_pairs, iter_sessions, render_turn_prompt
 from blockq.tokenizer import TokenCounter, get_token_counter
 from loadgen.traces.base import DEFAULT_MAX_MODEL_LEN, LengthPolicy, LoadedTrace, TraceRequest
 
@@ -46,15 +44,6 @@ _Item = TypeVar("_Item")
 def _batches(items: Iterator[_Item], size: int) -> Iterator[list[_Item]]:
     while batch := list(islice(items, size)):
         yield batch
-
-
-def render_turn_prompt(pair: SharegptPair) -> str:
-    """The prompt of one turn of a session: its history and new message, plain template."""
-    roles = ("user", "assistant")
-    messages = [ChatMessage(role=roles[index % 2], content=text)
-                for index, text in enumerate(pair.history)]
-    messages.append(ChatMessage(role="user", content=pair.prompt))
-    return render_plain(messages)
 
 
 def read_sharegpt(

@@ -33,6 +33,12 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from predictor_service.conversation import (
+    CONVERSATION_FEATURE_NAMES,
+    conversation_features,
+    message_tokens,
+    split_conversation,
+)
 from predictor_service.features import FEATURE_NAMES, extract_features
 from predictor_service.manifest import read_manifest
 from predictor_service.models.base import (
@@ -81,6 +87,9 @@ class FastConfig:
     ``num_threads`` 0 lets LightGBM use every core (training and prediction);
     ``use_embeddings`` adds MiniLM embeddings (about 40-100 prompts/s per core instead of
     thousands). ``text_score`` None disables the bag-of-words score.
+    ``conversation_features`` (``train --multi-turn`` sets it): a prompt rendered as a
+    conversation is read as its new message, which the prompt features and the text score
+    describe, plus its history's lengths (:mod:`predictor_service.conversation`).
     """
 
     num_rounds: int = 400
@@ -97,6 +106,7 @@ class FastConfig:
     use_embeddings: bool = False
     embedding_max_length: int = 128
     text_score: TextScoreConfig | None = field(default_factory=TextScoreConfig)
+    conversation_features: bool = False
 
     def __post_init__(self) -> None:
         if self.num_rounds < 1 or self.spread_num_rounds < 1:
@@ -152,6 +162,13 @@ def _version_of(
     return "fast-" + digest.hexdigest()[:8]
 
 
+def model_texts(config: FastConfig, prompts: Sequence[str]) -> list[str]:
+    """The texts the text score reads: the prompts, or their new messages."""
+    if config.conversation_features:
+        return [split_conversation(prompt).message for prompt in prompts]
+    return list(prompts)
+
+
 class FastFeaturizer:
     """Builds the ``fast`` model's input matrix; shared by a model and its refits."""
 
@@ -171,9 +188,22 @@ class FastFeaturizer:
         text_scores: npt.NDArray[np.float64] | None = None,
     ) -> npt.NDArray[np.float32]:
         """The input matrix; ``text_scores`` (e.g. out-of-fold) replaces the text score."""
-        blocks: list[npt.NDArray[Any]] = [extract_features(prompts, prompt_tokens, num_turns)]
+        if self.config.conversation_features:
+            conversations = [split_conversation(prompt) for prompt in prompts]
+            texts = [conversation.message for conversation in conversations]
+            blocks: list[npt.NDArray[Any]] = [
+                extract_features(
+                    texts,
+                    [message_tokens(c, p, n) for c, p, n in zip(conversations, prompts, prompt_tokens, strict=True)],
+                    [max(c.num_turns, n) for c, n in zip(conversations, num_turns, strict=True)],
+                ),
+                conversation_features(conversations, prompt_tokens),
+            ]
+        else:
+            texts = list(prompts)
+            blocks = [extract_features(prompts, prompt_tokens, num_turns)]
         if self.text_model is not None:
-            scores = self.text_model.score(prompts) if text_scores is None else text_scores
+            scores = self.text_model.score(texts) if text_scores is None else text_scores
             blocks.append(np.asarray(scores, dtype=np.float32).reshape(-1, 1))
         if self.config.use_embeddings:
             blocks.append(self._get_embedder().embed(prompts))
@@ -241,7 +271,8 @@ class FastLengthModel:
         """Backend settings stored in the manifest's ``extra``."""
         return {
             "fast_config": asdict(self.config),
-            "feature_names": list(FEATURE_NAMES),
+            "feature_names": list(FEATURE_NAMES)
+            + (list(CONVERSATION_FEATURE_NAMES) if self.config.conversation_features else []),
             "quantiles": list(QUANTILES),
             "parent_version": self.parent_version,
         }

@@ -17,7 +17,13 @@ from sklearn.model_selection import KFold
 
 from predictor_service.manifest import Manifest, write_manifest
 from predictor_service.models.base import FeedbackSample
-from predictor_service.models.fast import QUANTILES, FastConfig, FastFeaturizer, FastLengthModel
+from predictor_service.models.fast import (
+    QUANTILES,
+    FastConfig,
+    FastFeaturizer,
+    FastLengthModel,
+    model_texts,
+)
 from predictor_service.text_score import TextScoreModel, fit_text_score
 
 logger = structlog.get_logger(__name__)
@@ -46,7 +52,7 @@ def train_fast(
     out_of_fold: npt.NDArray[np.float64] | None = None
     if settings.text_score is not None:
         text_model, out_of_fold = fit_text_score(
-            prompts, log_targets, settings.text_score, seed=seed
+            model_texts(settings, prompts), log_targets, settings.text_score, seed=seed
         )
     featurizer = FastFeaturizer(settings, text_model)
     matrix = featurizer.transform(prompts, prompt_tokens, num_turns, text_scores=out_of_fold)
