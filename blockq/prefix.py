@@ -86,7 +86,7 @@ def prompt_block_hashes(prompts: Sequence[str | Sequence[int]],
             for prompt in prompts]
 
 
-@functools.lru_cache(maxsize=32_768)
+@functools.lru_cache(maxsize=4096)  # a simulated sample of a few thousand requests
 def answer_block_hashes(prompt: str | tuple[int, ...], answer: str) -> tuple[int, ...]:
     """:func:`block_hashes` of the prompt's token ids followed by the answer's (the project
     tokenizer's): the blocks an engine caches while it generates a known answer (a trace's
