@@ -19,7 +19,8 @@ from blockq.prefix import (
     prompt_block_hashes,
     prompt_token_ids,
 )
-from blockq.protocol import ValidationError, decode_heartbeat, encode
+from blockq.protocol import RequestProgress, ValidationError, decode_heartbeat, encode
+from dispatcher.core import DispatcherCore
 from loadgen.simulation.prefix_report import ideal_prefix_hit_rate
 from tests.factories import make_heartbeat, make_request
 from tests.test_engine_model_scheduler import add, make_scheduler, step
@@ -147,8 +148,6 @@ def test_beats_carry_the_cached_output_blocks_once_and_the_protocol_checks_them(
 
 
 def test_the_dispatchers_index_learns_the_output_blocks_from_beats() -> None:
-    from dispatcher.core import DispatcherCore
-
     core = DispatcherCore("block", seed=0, slo_ttft_ms=None)
     beat = make_heartbeat("a", sent_at_s=time.time())
     beat = dataclasses.replace(beat, engine_config={**beat.engine_config, "enable_prefix_caching": True})
@@ -190,9 +189,6 @@ def test_the_ideal_hit_rate_counts_blocks_an_earlier_answer_filled() -> None:
 
 
 def _prefix_core(*, prefix_caching: bool, num_used_blocks: int, waiting: tuple = ()):  # noqa: ANN202
-    from blockq.protocol import RequestProgress
-    from dispatcher.core import DispatcherCore
-
     # Two turns of one conversation run at once: each has 2,400 tokens computed (150 blocks),
     # and the engine holds the first turn's blocks once.
     running = tuple(RequestProgress(f"turn-{i}", 2400, 2400, 1, 200, 400) for i in (1, 2))
@@ -222,8 +218,6 @@ def test_the_replica_credits_blocks_that_running_requests_share() -> None:
 
 
 def test_a_placed_request_keeps_its_predicted_hit_while_it_waits() -> None:
-    from blockq.protocol import RequestProgress
-
     core, view, replica = _prefix_core(prefix_caching=True, num_used_blocks=160)
     assert view.prefix_index is not None
     hashes = tuple(range(500, 564))  # 64 blocks, all believed cached
