@@ -105,6 +105,12 @@ def answer_block_hashes(prompt: str | tuple[int, ...], answer: str) -> tuple[int
     return block_hashes(prompt_ids + answer_ids)
 
 
+def num_filled_blocks(prompt_tokens: int, num_output_tokens: int, block_size: int = PREFIX_BLOCK_TOKENS) -> int:
+    """The full blocks a request's computed tokens fill once it has produced
+    ``num_output_tokens``: the last sampled token's KV is never computed."""
+    return (prompt_tokens + num_output_tokens - 1) // block_size
+
+
 def continued_block_hashes(prompt: str | tuple[int, ...], prompt_hashes: tuple[int, ...],
                            answer: str | None) -> tuple[int, ...]:
     """``prompt_hashes`` continued over ``answer`` (:func:`answer_block_hashes`) where that

@@ -132,10 +132,13 @@ class InstanceReplica:
         # The state holds at a step boundary (the end of the step under way when the
         # engine reports the state that step leaves), not at the beat's own time.
         state_at_s = beat.engine_time_s if beat.state_at_s is None else beat.state_at_s
-        running = self._restored_rows(beat.running)
+        # With prefix caching, running requests of one conversation hold its earlier turns'
+        # blocks once: the engine's count tells the replica how many its rows share.
+        shares_blocks = self.prefix_index is not None and not beat.truncated
         scheduler = PackedScheduler.restored(
-            self.config, self.latency_model, state_at_s, running, self._restored_rows(beat.waiting),
-            spare_rows=SPARE_ROWS, shared_blocks=self._shared_blocks(beat, running))
+            self.config, self.latency_model, state_at_s, self._restored_rows(beat.running),
+            self._restored_rows(beat.waiting), spare_rows=SPARE_ROWS,
+            engine_used_blocks=beat.num_used_blocks if shares_blocks else None)
         self.scheduler = scheduler
         self.advance(now_wall_s)
         rows = self._new_rows
@@ -238,18 +241,6 @@ class InstanceReplica:
                 continue  # at its length limit: finishes on its next token, nothing to model
             rows.append((item.request_id, prompt_tokens, target, item.num_computed_tokens, item.num_generated_tokens))
         return rows
-
-    def _shared_blocks(self, beat: Heartbeat, running: list[RestoredRow]) -> int:
-        """KV blocks the running requests share (with prefix caching): what their rows
-        hold beyond the blocks the engine reports in use. Running requests of one
-        conversation hold its earlier turns' blocks once; counted per row, the replica
-        would see the instance fuller than it is, and queue what the engine runs."""
-        if self.prefix_index is None or beat.truncated:
-            return 0
-        block_size = self.config.block_size
-        num_held = sum(-(-min(computed, prompt + generated - 1) // block_size)
-                       for _, prompt, _, computed, generated in running)
-        return max(0, num_held - beat.num_used_blocks)
 
     def _observe_samples(self, beat: Heartbeat) -> None:
         for sample in beat.step_samples:

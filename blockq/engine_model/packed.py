@@ -79,7 +79,7 @@ class PackedScheduler:
     @classmethod
     def restored(cls, config: EngineConfig, latency_model: StepLatencyModel, now_s: float,
                  running: Sequence[RestoredRow], waiting: Sequence[RestoredRow],
-                 spare_rows: int = 16, shared_blocks: int = 0) -> PackedScheduler:
+                 spare_rows: int = 16, engine_used_blocks: int | None = None) -> PackedScheduler:
         """What :meth:`EngineScheduler.restore` then :meth:`from_scheduler` build, written
         straight into the arrays (the tests compare both): a dispatcher rebuilds a replica
         from a beat every few hundred milliseconds, and the objects in between cost more
@@ -90,16 +90,20 @@ class PackedScheduler:
         blocks for them, in order, while they fit; from the first that does not, the rest
         queue before ``waiting`` with nothing computed.
 
-        ``shared_blocks``: blocks that several running rows hold at once (a prefix cache
-        shares a prompt's blocks; the packed rows cannot say which): each row counts them,
-        the engine once, so they are credited to the free blocks. The count stays right as
-        rows finish: the last holder's release is the one the credit stands for.
+        ``engine_used_blocks``: the blocks the engine reports in use, given where running
+        requests may share blocks (a prefix cache shares a prompt's; the packed rows cannot
+        say which). What the running rows hold beyond it is shared: each row counts those
+        blocks, the engine once, so they are credited to the free blocks. The count stays
+        right as rows finish: the last holder's release is the one the credit stands for.
 
         Raises:
             ValueError: as :meth:`EngineScheduler.restore`, naming the field.
         """
         max_model_len, block_size = config.max_model_len, config.block_size
-        free_blocks = config.num_gpu_blocks + max(0, shared_blocks)
+        free_blocks = config.num_gpu_blocks
+        if engine_used_blocks is not None:
+            num_held = sum(_held_blocks(row[1], row[3], row[4], block_size) for row in running)
+            free_blocks += max(0, num_held - engine_used_blocks)
         seen: set[str] = set()
         admitted: list[tuple[str, int, int, int, int, int]] = []   # id, prompt, target, computed, generated, blocks
         queued: list[tuple[str, int, int, int, int, int]] = []
@@ -108,7 +112,7 @@ class PackedScheduler:
                 target_tokens = _checked_target(request_id, prompt_tokens, target_tokens, generated_tokens,
                                                 max_model_len, seen)
                 seen.add(request_id)
-                computed_tokens = max(0, min(computed_tokens, prompt_tokens + generated_tokens - 1))
+                computed_tokens = _clipped_computed(prompt_tokens, computed_tokens, generated_tokens)
                 num_blocks = -(-computed_tokens // block_size)
                 if may_run and not queued and len(admitted) < config.max_num_seqs and num_blocks <= free_blocks:
                     free_blocks -= num_blocks
@@ -377,6 +381,16 @@ def _checked_target(request_id: str, prompt_tokens: int, target_tokens: int, gen
         raise ValueError(f"num_generated_tokens: must be < output_target_tokens "
                          f"({target_tokens} after clipping to max_model_len)")
     return target_tokens
+
+
+def _clipped_computed(prompt_tokens: int, computed_tokens: int, generated_tokens: int) -> int:
+    """A restored row's computed tokens: at most its known tokens - 1 (the last is sampled)."""
+    return max(0, min(computed_tokens, prompt_tokens + generated_tokens - 1))
+
+
+def _held_blocks(prompt_tokens: int, computed_tokens: int, generated_tokens: int, block_size: int) -> int:
+    """The KV blocks a restored running row holds."""
+    return -(-_clipped_computed(prompt_tokens, computed_tokens, generated_tokens) // block_size)
 
 
 def _nan_if_none(value: float | None) -> float:

@@ -8,14 +8,15 @@ measure (``prefix_hit_rate`` of the run's summary, from their own counters):
 - ``prefix_hit_rate_ideal``: an infinite cache and every request on the instance holding
   its longest prefix, i.e. each request's longest leading run of blocks that any earlier
   request (in arrival order) had, its prompt's or (where the recorded answer names them)
-  the blocks its answer filled, as if the earlier answer were complete. No placement can beat it; load balance costs from it.
+  the blocks its answer filled, as if the earlier answer were complete. No placement can
+  beat it; load balance costs from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockq.prefix import PREFIX_BLOCK_TOKENS, continued_block_hashes
+from blockq.prefix import PREFIX_BLOCK_TOKENS, continued_block_hashes, num_filled_blocks
 from blockq.protocol import Request
 from dispatcher.core import CoreStats
 from dispatcher.prefix_index import cached_tokens
@@ -51,7 +52,7 @@ def _blocks_left_cached(request: Request, prompt_tokens: int, block_tokens: int)
     if len(hashes) == len(request.prompt_block_hashes):
         return hashes
     num_output_tokens = min(request.true_output_tokens or request.max_tokens, request.max_tokens)
-    return hashes[:max(len(request.prompt_block_hashes), (prompt_tokens + num_output_tokens - 1) // block_tokens)]
+    return hashes[:max(len(request.prompt_block_hashes), num_filled_blocks(prompt_tokens, num_output_tokens, block_tokens))]
 
 
 def predicted_prefix_hit_rate(stats: CoreStats) -> float | None:

@@ -38,7 +38,7 @@ from typing import Any
 import structlog
 
 from blockq.engine_model import EngineRequest, EngineScheduler, StepResult, get_preset
-from blockq.prefix import PREFIX_BLOCK_TOKENS, continued_block_hashes
+from blockq.prefix import PREFIX_BLOCK_TOKENS, continued_block_hashes, num_filled_blocks
 from blockq.protocol import RequestProgress
 from blockq.tokenizer import AnswerTokenizer
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
@@ -281,7 +281,7 @@ class EmulatedEngine:
         spec = self._specs.get(request.request_id)
         if spec is None:
             return ()
-        num_full = (request.prompt_tokens + request.num_generated_tokens - 1) // self.config.block_size
+        num_full = num_filled_blocks(request.prompt_tokens, request.num_generated_tokens, self.config.block_size)
         return request.prefix_block_hashes[len(spec.prefix_block_hashes):num_full]
 
     def _answer_tokens(self, text: str) -> list[str]:
