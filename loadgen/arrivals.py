@@ -191,19 +191,25 @@ def _session_schedule(
 def parse_rate_profile(text: str) -> list[tuple[float, float]]:
     """``"300:4,300:5,..."`` → [(300.0, 4.0), (300.0, 5.0), ...]: (seconds, requests/s)
     steps. Raises ValueError naming the bad step."""
+    return parse_steps(text, "rate_profile", "RATE")
+
+
+def parse_steps(text: str, field: str, value_name: str) -> list[tuple[float, float]]:
+    """``"SECONDS:VALUE,..."`` → [(seconds, value), ...], seconds > 0 and values >= 0;
+    ValueError naming ``field`` and the bad step."""
     steps = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
         try:
-            seconds, rate = (float(x) for x in item.split(":"))
+            seconds, value = (float(x) for x in item.split(":"))
         except ValueError:
-            raise ValueError(f"rate_profile: {item!r} is not SECONDS:RATE") from None
-        if not (np.isfinite(seconds) and seconds > 0 and np.isfinite(rate) and rate >= 0):
-            raise ValueError(f"rate_profile: {item!r} needs seconds > 0 and a rate >= 0")
-        steps.append((seconds, rate))
+            raise ValueError(f"{field}: {item!r} is not SECONDS:{value_name}") from None
+        if not (np.isfinite(seconds) and seconds > 0 and np.isfinite(value) and value >= 0):
+            raise ValueError(f"{field}: {item!r} needs seconds > 0 and a {value_name.lower()} >= 0")
+        steps.append((seconds, value))
     if not steps:
-        raise ValueError("rate_profile: no steps")
+        raise ValueError(f"{field}: no steps")
     return steps
 
 

@@ -22,13 +22,14 @@ from dispatcher.autoscale import (
     PredictiveScaler,
     ReactiveScaler,
     ScalingRules,
+    ScheduledScaler,
     apply_rules,
     count_reversals,
     drain_order,
     forecast_fleet,
 )
 from dispatcher.autoscale.futures import p99 as fleet_p99
-from loadgen.arrivals import parse_rate_profile, profile_arrivals
+from loadgen.arrivals import parse_rate_profile, parse_steps, profile_arrivals
 
 PRESET = get_preset("llama2-7b-a30")
 
@@ -227,7 +228,42 @@ def test_the_autoscaler_records_its_actions_and_honours_the_cooldown() -> None:
     assert not autoscaler.due(100.0) and autoscaler.due(120.0)
 
 
+def test_the_scheduled_scaler_follows_its_steps_from_its_origin_and_holds_the_last() -> None:
+    rules = ScalingRules(min_instances=1, max_instances=12)
+    scaler = ScheduledScaler([(100.0, 3), (50.0, 5), (10.0, 2)], origin_s=20.0)
+    fleet = _snapshot(_scheduler())
+    wanted = [scaler.want(replace(fleet, now_s=t), frozenset(), rules).size for t in (0.0, 119.9, 120.0, 169.9, 180.0, 1e6)]
+    assert wanted == [3, 3, 5, 5, 2, 2]
+    with pytest.raises(ValueError, match="schedule"):
+        ScheduledScaler([])
+    assert parse_steps("60:3, 30:4", "schedule", "SIZE") == [(60.0, 3.0), (30.0, 4.0)]
+    with pytest.raises(ValueError, match=r"schedule: '60' is not SECONDS:SIZE"):
+        parse_steps("60", "schedule", "SIZE")
+
+
 # --- the autoscaled simulation ------------------------------------------------------------
+
+
+def test_a_schedule_runs_behind_the_rules_in_the_simulation() -> None:
+    """The schedule asks 1 → 4 at once and back to 1 after 60 s; the rules let it grow one
+    instance per cooldown and shrink only after the reversal hold."""
+    from loadgen.simulation.autoscale import AutoscaleSettings, run_scaler
+    from loadgen.simulation.config import SimulationConfig
+    from loadgen.simulation.workload import annotate_sample, sample_trace
+
+    offsets = profile_arrivals([(200.0, 2.0)], seed=3)
+    sample = annotate_sample(sample_trace("synthetic", len(offsets), 3, redraw=True), 3)
+    schedule = [(float(at_s), index) for index, at_s in enumerate(offsets)]
+    rules = ScalingRules(min_instances=1, max_instances=6, cooldown_s=20.0, reversal_hold_s=40.0)
+    settings = AutoscaleSettings(rules, initial_instances=3, startup_s=5.0, cycle_s=10.0,
+                                 schedule=((60.0, 1), (60.0, 4), (1e6, 1)))
+    run = run_scaler(SimulationConfig(policy="llumnix", seed=3), sample, schedule, "scheduled", settings)
+    actions = [(round(d.at_s - SimulationConfig().warmup_s), d.current, d.target)
+               for d in run.timeline.decisions if d.direction is not None]
+    assert actions[0] == (60, 1, 2) and actions[1] == (80, 2, 3) and actions[2] == (100, 3, 4)
+    assert all(at_s >= 140 for at_s, current, target in actions[3:]) and actions[-1][2] == 1
+    assert run.summary["num_requests"] + run.summary["num_refused"] == len(schedule)
+    assert all(np.isfinite(ttft) for _, ttft in run.ttft_by_arrival)
 
 
 def test_a_load_step_grows_the_simulated_fleet_then_it_drains_back_losing_nothing() -> None:

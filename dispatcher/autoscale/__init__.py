@@ -20,10 +20,11 @@ from dispatcher.autoscale.scalers import (
     ReactiveScaler,
     ScalerTuning,
     ScalingDecision,
+    ScheduledScaler,
     StaticScaler,
     make_autoscaler,
 )
 
 __all__ = ["SCALERS", "ScalerTuning", "make_autoscaler", "DRAINING", "LIVE", "STARTING", "ActionHistory", "ArrivalHistory", "Autoscaler", "FleetForecast",
            "FleetSnapshot", "InstanceState", "PredictiveScaler", "RateForecast", "ReactiveScaler", "ScalingDecision",
-           "ScalingRules", "StaticScaler", "apply_rules", "count_reversals", "drain_order", "forecast_fleet"]
+           "ScalingRules", "ScheduledScaler", "StaticScaler", "apply_rules", "count_reversals", "drain_order", "forecast_fleet"]

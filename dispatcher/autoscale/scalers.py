@@ -20,6 +20,9 @@ rules every decision cycle (pure: time is passed in, nothing here does I/O).
   10 % tolerance, and a scale-down takes the highest desire of the last
   ``stabilization_s`` (HPA's scale-down stabilisation window).
 * :class:`StaticScaler` — a fixed size.
+* :class:`ScheduledScaler` — sizes fixed in advance for stretches of time (benchmarks: a
+  schedule written in hindsight, behind the same rules, says what any scaler could have
+  saved on a workload).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -96,6 +100,30 @@ class StaticScaler:
 
     def want(self, snapshot: FleetSnapshot, allowed: frozenset[str], rules: ScalingRules) -> Want:
         return Want(self.size, "static")
+
+
+class ScheduledScaler:
+    """``schedule``: (seconds, size) steps, back to back from ``origin_s``; the last size
+    holds after the last step."""
+
+    name = "scheduled"
+
+    def __init__(self, schedule: Sequence[tuple[float, int]], origin_s: float = 0.0) -> None:
+        if not schedule:
+            raise ValueError("schedule: no steps")
+        self.origin_s = origin_s
+        self._ends: list[tuple[float, int]] = []
+        end_s = origin_s
+        for seconds, size in schedule:
+            end_s += seconds
+            self._ends.append((end_s, size))
+
+    def observe(self, at_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        """A schedule ignores arrivals."""
+
+    def want(self, snapshot: FleetSnapshot, allowed: frozenset[str], rules: ScalingRules) -> Want:
+        size = next((size for end_s, size in self._ends if snapshot.now_s < end_s), self._ends[-1][1])
+        return Want(size, f"scheduled {size} at {snapshot.now_s - self.origin_s:.0f} s")
 
 
 class ReactiveScaler:
@@ -281,7 +309,8 @@ class Autoscaler:
         return decision
 
 
-SCALERS = ("static", "reactive", "predictive")
+SCALERS = ("static", "reactive", "predictive", "scheduled")
+DEFAULT_SCALERS = ("static", "reactive", "predictive")
 
 
 @dataclass(frozen=True)
@@ -300,12 +329,13 @@ class ScalerTuning:
 
 def make_autoscaler(name: str, rules: ScalingRules, *, cycle_s: float = 60.0, startup_s: float = 90.0,
                     slo_ttft_s: float = 3.0, seed: int = 0, static_size: int | None = None,
-                    tuning: ScalerTuning | None = None, max_decisions: int | None = None) -> Autoscaler:
+                    tuning: ScalerTuning | None = None, max_decisions: int | None = None,
+                    schedule: Sequence[tuple[float, int]] = (), schedule_origin_s: float = 0.0) -> Autoscaler:
     """The autoscaler the dispatcher leader and the simulation both run: scaler ``name``
     behind ``rules``, deciding every ``cycle_s``. The predictive scaler's history windows
     count in cycles (:meth:`ArrivalHistory.for_cycle`); the reactive scaler's scale-down
     stabilisation window is the cooldown (HPA's 300 s by default); ``static`` holds
-    ``static_size``."""
+    ``static_size``; ``scheduled`` follows ``schedule`` from ``schedule_origin_s``."""
     tuning = tuning or ScalerTuning()
     if name == "static":
         if static_size is None:
@@ -315,6 +345,8 @@ def make_autoscaler(name: str, rules: ScalingRules, *, cycle_s: float = 60.0, st
     if name == "reactive":
         scaler: Scaler = ReactiveScaler(target_kv_usage=tuning.target_kv_usage, target_waiting=tuning.target_waiting,
                                         stabilization_s=rules.cooldown_s)
+    elif name == "scheduled":
+        scaler = ScheduledScaler(schedule, schedule_origin_s)
     elif name == "predictive":
         scaler = PredictiveScaler(ArrivalHistory.for_cycle(cycle_s), slo_ttft_s=slo_ttft_s, headroom=tuning.headroom,
                                   rate_margin=tuning.rate_margin, shrink_margin=tuning.shrink_margin,

@@ -53,6 +53,7 @@ class AutoscaleSettings:
     startup_s: float = 90.0
     cycle_s: float = 60.0
     tuning: ScalerTuning = field(default_factory=ScalerTuning)
+    schedule: tuple[tuple[float, int], ...] = ()   # the scheduled scaler's (seconds, size) steps
 
 
 @dataclass
@@ -84,8 +85,10 @@ def run_scaler(config: SimulationConfig, sample: AnnotatedSample, schedule: list
     """One scaler over the workload (``static_size``: the static fleet's size)."""
     autoscaler = make_autoscaler(name, settings.rules, cycle_s=settings.cycle_s, startup_s=settings.startup_s,
                                  slo_ttft_s=config.slo_ttft_ms / 1000, seed=sample.seed, static_size=static_size,
-                                 tuning=settings.tuning)
-    initial = static_size if name == "static" else settings.initial_instances
+                                 tuning=settings.tuning, schedule=settings.schedule,
+                                 schedule_origin_s=config.warmup_s)
+    initial = (static_size if name == "static" else settings.schedule[0][1] if name == "scheduled"
+               else settings.initial_instances)
     config = replace(config, instances=initial, best_effort=True)
     simulation = AutoscaledSimulation(config, autoscaler, startup_s=settings.startup_s)
     origin_s = config.warmup_s

@@ -18,6 +18,8 @@ import numpy as np
 
 from blockq.config import add_scaling_options
 from dispatcher.autoscale import SCALERS, ScalerTuning, ScalingRules
+from dispatcher.autoscale.scalers import DEFAULT_SCALERS
+from loadgen.arrivals import parse_steps
 from loadgen.plots import plot_fleet_timelines
 from loadgen.simulation.autoscale import (
     AutoscaleSettings,
@@ -35,7 +37,10 @@ _MEAN_KEYS = ("gpu_hours", "slo_attainment", "ttft_p99_ms", "ttft_mean_ms", "num
 
 def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("autoscale mode")
-    group.add_argument("--scalers", default=",".join(SCALERS), help=f"comma-separated: {', '.join(SCALERS)}")
+    group.add_argument("--scalers", default=",".join(DEFAULT_SCALERS), help=f"comma-separated: {', '.join(SCALERS)}")
+    group.add_argument("--schedule", default=None,
+                       help="SECONDS:SIZE,...: the scheduled scaler's fleet sizes, back to back from the run's "
+                            "start (benchmarks: a schedule written in hindsight, behind the same rules)")
     group.add_argument("--initial-instances", type=int, default=None, help="the autoscalers' first fleet "
                        "(default: --min-instances)")
     group.add_argument("--static-instances", type=int, default=None,
@@ -62,7 +67,17 @@ def _settings(args: argparse.Namespace) -> AutoscaleSettings:
     initial = args.initial_instances if args.initial_instances is not None else max(1, args.min_instances)
     tuning = ScalerTuning(headroom=args.headroom, rate_margin=args.rate_margin, shrink_margin=args.shrink_margin,
                           target_kv_usage=args.target_kv_usage, target_waiting=args.target_waiting)
-    return AutoscaleSettings(rules, initial, startup_s=args.startup_s, cycle_s=args.cycle_s, tuning=tuning)
+    schedule: tuple[tuple[float, int], ...] = ()
+    if args.schedule:
+        try:
+            steps = parse_steps(args.schedule, "schedule", "SIZE")
+        except ValueError as exc:
+            raise SystemExit(f"simulate autoscale: --{exc}") from None
+        if any(size != int(size) for _, size in steps):
+            raise SystemExit("simulate autoscale: --schedule: sizes must be whole instances")
+        schedule = tuple((seconds, int(size)) for seconds, size in steps)
+    return AutoscaleSettings(rules, initial, startup_s=args.startup_s, cycle_s=args.cycle_s, tuning=tuning,
+                             schedule=schedule)
 
 
 def _config(args: argparse.Namespace, seed: int) -> SimulationConfig:
@@ -80,6 +95,8 @@ def run_autoscale_command(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"simulate autoscale: --scalers: unknown {', '.join(unknown)} (valid: {', '.join(SCALERS)})")
     settings = _settings(args)
+    if "scheduled" in names and not settings.schedule:
+        raise SystemExit("simulate autoscale: --scalers scheduled needs --schedule")
     seeds = args.seeds or (args.seed,)
     runs: dict[str, list[ScalerRun]] = {name: [] for name in names}
     for seed in seeds:
