@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from blockq.engine_model import get_preset
+from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.packed import PackedScheduler
 from dispatcher.autoscale import (
     LIVE,
@@ -29,6 +30,7 @@ from dispatcher.autoscale import (
     forecast_fleet,
 )
 from dispatcher.autoscale.futures import p99 as fleet_p99
+from dispatcher.autoscale.futures import realized_targets
 from loadgen.arrivals import parse_rate_profile, parse_steps, profile_arrivals
 
 PRESET = get_preset("llama2-7b-a30")
@@ -163,6 +165,29 @@ def test_a_shrunk_fleet_carries_the_drained_instances_unstarted_requests() -> No
                                startup_s=60.0, run_on_s=30.0)
     assert fleet_p99(busy_kept.ttft_s) > 1.0
     assert abs(fleet_p99(busy_gone.ttft_s) - fleet_p99(busy_kept.ttft_s)) < 0.5 * fleet_p99(busy_kept.ttft_s)
+
+
+def test_realized_targets_are_the_median_of_the_longer_realized_lengths() -> None:
+    realized = np.array([10, 20, 30, 40, 50])
+    assert realized_targets(np.array([0, 25, 40, 50, 70]), realized).tolist() == [30, 40, 50, 51, 71]
+
+
+def test_requests_already_there_are_simulated_with_realized_lengths_when_given() -> None:
+    """Two instances whose running requests are believed to produce 1,500 tokens each (the
+    KV caches would fill and the new requests wait): with realized lengths of 40 tokens the
+    same fleet is predicted to keep new requests' TTFT low."""
+    def believed_long() -> PackedScheduler:
+        scheduler = _scheduler(waiting=40, prompt_tokens=300, output_tokens=1500)
+        scheduler.simulate(until_s=5.0)
+        return scheduler.rebased(5.0)
+
+    fleet = _snapshot(believed_long(), believed_long(), now_s=5.0)
+    arrivals = _poisson(4.0, 65.0, start_s=5.0)
+    believed = forecast_fleet(fleet, 2, arrivals, startup_s=60.0, run_on_s=30.0)
+    realized = forecast_fleet(fleet, 2, arrivals, startup_s=60.0, run_on_s=30.0,
+                              realized_output_tokens=np.full(1000, 40))
+    assert fleet_p99(believed.ttft_s) > 3.0 > 1.0 > fleet_p99(realized.ttft_s)
+    assert fleet.instances[0].scheduler.requests[0, layout.TARGET] == 1500  # the snapshot's replicas are not changed
 
 
 # --- scalers ------------------------------------------------------------------------------

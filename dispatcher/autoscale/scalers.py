@@ -187,6 +187,8 @@ class PredictiveScaler:
         self.startup_s = startup_s
         self.seed = seed
         self.min_answered_mix = min_answered_mix
+        self._realized_for: tuple[tuple[int, int], ...] | None = None
+        self._realized: np.ndarray | None = None
 
     def observe(self, at_s: float, prompt_tokens: int, output_tokens: int) -> None:
         self.history.observe(at_s, prompt_tokens, output_tokens)
@@ -270,8 +272,19 @@ class PredictiveScaler:
         requests, first_judged = arrivals
         if not requests:
             return 0.0
-        forecast = forecast_fleet(snapshot, size, requests, startup_s=self.startup_s, run_on_s=2 * self.slo_ttft_s)
+        forecast = forecast_fleet(snapshot, size, requests, startup_s=self.startup_s, run_on_s=2 * self.slo_ttft_s,
+                                  realized_output_tokens=self._realized_outputs(snapshot))
         return p99(forecast.ttft_s[first_judged:])
+
+    def _realized_outputs(self, snapshot: FleetSnapshot) -> np.ndarray | None:
+        """The sorted output lengths of the latest answered requests, once there are
+        ``min_answered_mix`` of them (the same threshold as the mix of forecast arrivals)."""
+        if len(snapshot.answered_sizes) < self.min_answered_mix:
+            return None
+        if self._realized_for is not snapshot.answered_sizes:
+            self._realized_for = snapshot.answered_sizes
+            self._realized = np.sort(np.fromiter((o for _, o in snapshot.answered_sizes), np.int64))
+        return self._realized
 
 
 class Autoscaler:
