@@ -20,7 +20,9 @@ from blockq.prefix import (
     prompt_token_ids,
 )
 from blockq.protocol import RequestProgress, ValidationError, decode_heartbeat, encode
+from dispatcher.cluster_view import InstanceView
 from dispatcher.core import DispatcherCore
+from dispatcher.replica import InstanceReplica
 from loadgen.simulation.prefix_report import ideal_prefix_hit_rate
 from tests.factories import make_heartbeat, make_request
 from tests.test_engine_model_scheduler import add, make_scheduler, step
@@ -188,11 +190,11 @@ def test_the_ideal_hit_rate_counts_blocks_an_earlier_answer_filled() -> None:
 # --- the dispatcher's replicas under sharing --------------------------------------------------
 
 
-def _prefix_core(*, prefix_caching: bool, num_used_blocks: int, waiting: tuple = ()):  # noqa: ANN202
+def _prefix_core(*, prefix_caching: bool, num_used_blocks: int) -> tuple[DispatcherCore, InstanceView, InstanceReplica]:
     # Two turns of one conversation run at once: each has 2,400 tokens computed (150 blocks),
     # and the engine holds the first turn's blocks once.
     running = tuple(RequestProgress(f"turn-{i}", 2400, 2400, 1, 200, 400) for i in (1, 2))
-    beat = make_heartbeat("a", sent_at_s=time.time(), running=running, waiting=waiting, num_gpu_blocks=260,
+    beat = make_heartbeat("a", sent_at_s=time.time(), running=running, num_gpu_blocks=260,
                           num_used_blocks=num_used_blocks)
     beat = dataclasses.replace(beat, engine_config={**beat.engine_config, "enable_prefix_caching": prefix_caching})
     core = DispatcherCore("block", seed=0, slo_ttft_ms=None)

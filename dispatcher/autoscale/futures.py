@@ -134,19 +134,19 @@ def realized_targets(generated_tokens: np.ndarray, realized_output_tokens: np.nd
     count = len(realized_output_tokens)
     first_longer = np.searchsorted(realized_output_tokens, generated_tokens, side="right")
     median_index = np.minimum(first_longer + (count - first_longer) // 2, count - 1)
-    targets = np.where(first_longer < count, realized_output_tokens[median_index], generated_tokens + 1)
-    return np.maximum(targets, generated_tokens + 1).astype(np.int64)
+    # searchsorted(side="right") finds the first length above what was generated.
+    return np.where(first_longer < count, realized_output_tokens[median_index], generated_tokens + 1).astype(np.int64)
 
 
-def _with_realized_targets(scheduler: PackedScheduler, realized_output_tokens: np.ndarray) -> PackedScheduler:
-    """``scheduler`` (a clone: changed in place) with its unfinished rows' targets realized."""
+def _realize_targets(scheduler: PackedScheduler, realized_output_tokens: np.ndarray) -> None:
+    """Set the unfinished rows' targets of ``scheduler`` (a clone) to realized ones,
+    within the model's context."""
     rows = np.array(scheduler.running_rows() + scheduler.waiting_rows(), dtype=np.int64)
     if len(rows):
         values = scheduler.requests
         room = scheduler.config.max_model_len - values[rows, layout.PROMPT]
         targets = realized_targets(values[rows, layout.GENERATED], realized_output_tokens)
         values[rows, layout.TARGET] = np.maximum(np.minimum(targets, room), values[rows, layout.GENERATED] + 1)
-    return scheduler
 
 
 def forecast_fleet(snapshot: FleetSnapshot, size: int, arrivals: Sequence[tuple[float, int, int]], *,
@@ -171,7 +171,7 @@ def forecast_fleet(snapshot: FleetSnapshot, size: int, arrivals: Sequence[tuple[
         if instance.status == LIVE and instance.scheduler is not None:
             member = instance.scheduler.clone()
             if realized_output_tokens is not None:
-                member = _with_realized_targets(member, realized_output_tokens)
+                _realize_targets(member, realized_output_tokens)
             members.append(member)
         else:  # starting
             members.append(PackedScheduler(snapshot.config, snapshot.latency_model, max(now_s, instance.ready_at_s)))
