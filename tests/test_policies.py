@@ -248,3 +248,30 @@ def test_a_step_starting_before_a_placed_request_reaches_the_engine_runs_without
     # Taken by the step after it, or (3 ms to arrive) by the one after that.
     assert ttft_s[0.0] == pytest.approx(0.001 + preset.latency_model.step_seconds(10, 1, 56), rel=0.02)
     assert ttft_s[0.003] == pytest.approx(ttft_s[0.0] + preset.latency_model.step_seconds(0, 1, 46), rel=0.02)
+
+
+def test_block_keeps_a_lane_light_for_long_prompts() -> None:
+    """Of 12 instances the first 2 by id are long-prompt lanes: an ordinary request goes
+    elsewhere even where a lane is the idlest; a long prompt and a brief answer take the
+    best instance, lane or not; an ordinary request takes a lane when every other
+    instance is predicted far slower (here: past its TTFT objective)."""
+    ids = [f"i{k:02d}" for k in range(12)]
+    busy = {i: running(12, prefix=f"{i}-") for i in ids[2:]}
+    view = view_with(*(make_heartbeat(i, running=busy.get(i, ())) for i in ids))
+    policy = make_policy("block", view, seed=0, slo_ttft_ms=3000)
+    now = time.time()
+    instances = view.live_instances()
+    ordinary = [policy.choose(make_request("x " * 200, max_tokens=500, predicted=300), instances, now).instance_id
+                for _ in range(5)]
+    assert not set(ordinary) & {"i00", "i01"}
+    long_prompt = make_request("x " * 3000, max_tokens=500, predicted=300)
+    assert policy.choose(long_prompt, instances, now).instance_id in {"i00", "i01"}
+    brief = make_request("x " * 200, max_tokens=500, predicted=10)
+    assert policy.choose(brief, instances, now).instance_id in {"i00", "i01"}
+    # Every other instance now holds a queue it cannot start within 3 s.
+    waiting = tuple(RequestProgress(f"w{k}", 3000, 0, 0, 300, 600) for k in range(12))
+    view = view_with(*(make_heartbeat(i, running=busy.get(i, ()), waiting=waiting if i in busy else ())
+                       for i in ids))
+    policy = make_policy("block", view, seed=0, slo_ttft_ms=3000)
+    chosen = policy.choose(make_request("x " * 200, max_tokens=500, predicted=300), view.live_instances(), now)
+    assert chosen.instance_id in {"i00", "i01"}
