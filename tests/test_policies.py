@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from blockq.engine_model.packed_layout import FINISHED
+from blockq.prefix import PREFIX_BLOCK_TOKENS
 from blockq.protocol import Prediction, RequestProgress
 from dispatcher.cluster_view import ClusterView
 from dispatcher.forecast import forecast
@@ -275,3 +276,13 @@ def test_block_keeps_a_lane_light_for_long_prompts() -> None:
     policy = make_policy("block", view, seed=0, slo_ttft_ms=3000)
     chosen = policy.choose(make_request("x " * 200, max_tokens=500, predicted=300), view.live_instances(), now)
     assert chosen.instance_id in {"i00", "i01"}
+
+
+def test_block_keeps_no_lanes_where_instances_cache_prefixes() -> None:
+    ids = [f"i{k:02d}" for k in range(12)]
+    config = {**make_heartbeat("x").engine_config, "enable_prefix_caching": True, "block_size": PREFIX_BLOCK_TOKENS}
+    view = view_with(*(dataclasses.replace(make_heartbeat(i, running=() if i < "i02" else running(12, prefix=f"{i}-")),
+                                           engine_config=config) for i in ids))
+    policy = make_policy("block", view, seed=0, slo_ttft_ms=3000)
+    chosen = policy.choose(make_request("x " * 200, max_tokens=500, predicted=300), view.live_instances(), time.time())
+    assert chosen.instance_id in {"i00", "i01"}   # the idle ones, lanes elsewhere

@@ -21,9 +21,10 @@ from dispatcher.replica import InstanceReplica
 # beside it slows each chunk (a 3,800-token prompt: 711 ms alone, 783 ms beside 18
 # decodes): on a fleet balanced by load no instance is light when one arrives, and these
 # prompts are the TTFT tail. So one instance in LANE_EVERY keeps light for them: ordinary
-# requests go elsewhere while elsewhere keeps their TTFT objective.
+# requests go elsewhere while another instance is predicted within LANE_SLACK_S of their
+# best TTFT and within their objective.
 LANE_EVERY = 6
-# Long: a prefill of at least this many step budgets (2,560 tokens at vLLM's 512).
+# Long: a prefill of at least this many step budgets (2,560 tokens at a 512-token budget).
 LANE_PROMPT_CHUNKS = 5
 # Brief: answers predicted this short leave a lane within a second, and may use one.
 LANE_BRIEF_OUTPUT_TOKENS = 32
@@ -31,6 +32,9 @@ LANE_BRIEF_OUTPUT_TOKENS = 32
 # (about what a long prompt gains there); past it, near capacity, the lanes serve all.
 # Measured: 20 ms kept a third of the tail's gain, 100 ms cost 0.6 ms of mean TTFT.
 LANE_SLACK_S = 0.05
+# No lanes where the replicas model a prefix cache: there a prompt's prefill depends on
+# where its prefix is cached, and conversations' long histories filled the lanes
+# (ShareGPT multi-turn, 12 A30s: capacity 16.71 -> 15.56 req/s with lanes).
 
 
 @dataclass(slots=True)
@@ -55,7 +59,7 @@ class Block:
     Candidates that keep the request's TTFT objective rank first (see
     :meth:`_meeting_the_slo_first`), and among them, for a request that is neither long
     nor brief, the instances outside the long-prompt lanes (:func:`lane_ids`) predicted
-    within ``LANE_SLACK_S`` of the best TTFT.
+    within ``LANE_SLACK_S`` of the best TTFT (not on fleets with a prefix cache).
 
     With ``kv_guard_candidates`` > 0 (:class:`BlockKvGuard`), the request's upper
     quantile guards against KV exhaustion: before a candidate is taken, its run is
@@ -110,7 +114,7 @@ class Block:
             ranked.append(_Ranked(key, ttft_s, candidate, replica, size, candidate_forecast))
         ranked.sort(key=lambda item: item.key)
         ranked = self._meeting_the_slo_first(request, ranked, now_s)
-        if len(ranked) >= LANE_EVERY and not _uses_lanes(ranked[0]):
+        if len(ranked) >= LANE_EVERY and ranked[0].replica.prefix_index is None and not _uses_lanes(ranked[0]):
             ranked = self._lanes_last(request, ranked, now_s)
         chosen = ranked[0]
         for item in ranked[:self.kv_guard_candidates]:
@@ -140,7 +144,6 @@ class Block:
             return ranked
         missing = sorted((item for item in ranked if item.ttft_s > budget_s), key=lambda item: item.ttft_s)
         return meeting + missing if meeting else missing
-
 
     def _lanes_last(self, request: Request, ranked: list[_Ranked], now_s: float) -> list[_Ranked]:
         """``ranked`` with the lane instances moved behind every other instance predicted
