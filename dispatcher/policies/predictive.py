@@ -32,9 +32,6 @@ LANE_BRIEF_OUTPUT_TOKENS = 32
 # (about what a long prompt gains there); past it, near capacity, the lanes serve all.
 # Measured: 20 ms kept a third of the tail's gain, 100 ms cost 0.6 ms of mean TTFT.
 LANE_SLACK_S = 0.05
-# No lanes where the replicas model a prefix cache: there a prompt's prefill depends on
-# where its prefix is cached, and conversations' long histories filled the lanes
-# (ShareGPT multi-turn, 12 A30s: capacity 16.71 -> 15.56 req/s with lanes).
 
 
 @dataclass(slots=True)
@@ -114,7 +111,7 @@ class Block:
             ranked.append(_Ranked(key, ttft_s, candidate, replica, size, candidate_forecast))
         ranked.sort(key=lambda item: item.key)
         ranked = self._meeting_the_slo_first(request, ranked, now_s)
-        if len(ranked) >= LANE_EVERY and ranked[0].replica.prefix_index is None and not _uses_lanes(ranked[0]):
+        if _keeps_off_lanes(ranked):
             ranked = self._lanes_last(request, ranked, now_s)
         chosen = ranked[0]
         for item in ranked[:self.kv_guard_candidates]:
@@ -167,12 +164,19 @@ def lane_ids(instance_ids: Sequence[str]) -> frozenset[str]:
     return frozenset(sorted(instance_ids)[:len(instance_ids) // LANE_EVERY])
 
 
-def _uses_lanes(item: _Ranked) -> bool:
-    """Whether the request ranked in ``item`` may take a lane like any other instance:
-    a long prompt (the lanes' purpose) or a brief answer."""
-    prompt_tokens, output_tokens = item.size
-    long_prompt_tokens = LANE_PROMPT_CHUNKS * item.replica.config.max_num_batched_tokens
-    return prompt_tokens >= long_prompt_tokens or output_tokens <= LANE_BRIEF_OUTPUT_TOKENS
+def _keeps_off_lanes(ranked: list[_Ranked]) -> bool:
+    """Whether the request ranked in ``ranked`` is kept off the lanes: the fleet has lanes
+    (``LANE_EVERY`` instances or more, no prefix cache modelled) and the request is
+    neither a long prompt (the lanes' purpose) nor a brief answer. No lanes where the
+    replicas model a prefix cache: there a prompt's prefill depends on where its prefix is
+    cached, and conversations' long histories filled the lanes (ShareGPT multi-turn, 12
+    A30s: capacity 16.71 -> 15.56 req/s with lanes)."""
+    best = ranked[0]
+    if len(ranked) < LANE_EVERY or best.replica.prefix_index is not None:
+        return False
+    prompt_tokens, output_tokens = best.size
+    long_prompt_tokens = LANE_PROMPT_CHUNKS * best.replica.config.max_num_batched_tokens
+    return prompt_tokens < long_prompt_tokens and output_tokens > LANE_BRIEF_OUTPUT_TOKENS
 
 
 class BlockKvGuard(Block):
