@@ -598,7 +598,10 @@ class Heartbeat:
     hashes (:mod:`blockq.prefix`) of the output blocks that requests finished since the
     previous beat left in the prefix cache (the engine caches a block once it is full, prompt
     or output), at most :data:`MAX_HEARTBEAT_CACHED_BLOCKS`: what the dispatcher's prefix
-    index cannot know from the prompts it placed.
+    index cannot know from the prompts it placed. ``delivery_p90_ms``: the p90 of the
+    wall ms from a placement's decision (the assignment's ``decided_at_s``) to the
+    worker handing the request to its engine, over the worker's recent requests (None
+    before the first): how long after a decision a step must start to include the request.
     """
 
     instance_id: str
@@ -627,6 +630,7 @@ class Heartbeat:
     engine_stats: dict[str, Any] | None = None
     state_at_s: float | None = None
     cached_block_hashes: tuple[int, ...] = ()
+    delivery_p90_ms: float | None = None
 
     def to_map(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -652,6 +656,7 @@ class Heartbeat:
         values["step_samples"] = tuple(tuple(s) for s in data.get("step_samples") or ())
         values["lag_mean_ms"] = _get_float(data, "lag_mean_ms") if "lag_mean_ms" in data else 0.0
         values["state_at_s"] = _get_float(data, "state_at_s", required=False)
+        values["delivery_p90_ms"] = _get_float(data, "delivery_p90_ms", required=False)
         values["cached_block_hashes"] = _block_hash_list(data, "cached_block_hashes", MAX_HEARTBEAT_CACHED_BLOCKS)
         _get(data, "instance_id", str)
         _get(data, "seq", int)

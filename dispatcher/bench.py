@@ -134,7 +134,7 @@ def bench_decisions(*, policy: str = "block", instances: int = 16, running: int 
             "p50_ms": float(np.percentile(times_ms, 50)), "p99_ms": float(np.percentile(times_ms, 99)),
             "max_ms": float(times_ms.max()), "mean_ms": float(times_ms.mean()),
             "decisions_per_s": float(len(times_ms) / (times_ms.sum() / 1000)),
-            # Applying one instance's beat (with a replica rebuild every resync interval):
+            # Applying one instance's beat (with its replica's rebuild):
             # work on the heartbeat path, between decisions.
             "heartbeat_p50_ms": float(np.percentile(beat_ms, 50)),
             "heartbeat_p99_ms": float(np.percentile(beat_ms, 99)),

@@ -83,10 +83,9 @@ class DispatcherCore:
 
     def __init__(self, policy_name: str, *, seed: int | None = None, objective: str = DEFAULT_OBJECTIVE,
                  lengths: str | None = None, health_policy: HealthPolicy | None = None,
-                 resync_interval_s: float = 0.3, timer: Callable[[], float] | None = None,
+                 timer: Callable[[], float] | None = None,
                  slo_ttft_ms: float | None = None) -> None:
-        self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy,
-                              resync_interval_s=resync_interval_s)
+        self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy)
         self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective,
                                           slo_ttft_ms=slo_ttft_ms)
         self.timer = timer

@@ -39,10 +39,11 @@ MAX_REFIT_SAMPLES = 2000
 MAX_BELIEFS = 20_000
 SPARE_ROWS = 32  # room for the assignments expected before the next rebuild
 # Wall seconds from a placement until the instance's engine can take the request (the rest
-# of the decision batch, the queue write, the worker's read: about 1.5 ms live and in the
+# of the decision batch, the queue write, the worker's read: about 1.5 ms in the
 # simulation), plus a margin for steps that end earlier than the replica expects: a
 # step that starts within this much of a decision is taken to start without the request.
-# Chosen by measurement: README, "Below the knee and past it".
+# Chosen by measurement: README, "Below the knee and past it". Where an instance's beats
+# report a longer delivery (their p90: a loaded host, a remote Redis), that is used.
 DELIVERY_S = 0.003
 
 
@@ -91,7 +92,9 @@ class InstanceReplica:
     def __init__(self, config: EngineConfig, latency_model: StepLatencyModel, *, lengths: str = "median",
                  prefix_index: PrefixIndex | None = None, delivery_s: float = DELIVERY_S) -> None:
         self.config = config
-        self.delivery_s = delivery_s  # a new request reaches the engine this long after now
+        # A new request reaches the engine this long after now: at least min_delivery_s,
+        # more where the instance's beats measure more.
+        self.min_delivery_s = self.delivery_s = delivery_s
         self.latency_model = latency_model
         # The instance's believed prefix cache: a new request is simulated without the
         # prompt tokens it would find cached there (None: no prefix caching).
@@ -129,6 +132,7 @@ class InstanceReplica:
         """Rebuild from ``beat``, advance to now, add the assignments the beat lacks."""
         self._observe_samples(beat)
         self._beat = beat
+        self.delivery_s = max(self.min_delivery_s, (beat.delivery_p90_ms or 0.0) / 1000)
         # The state holds at a step boundary (the end of the step under way when the
         # engine reports the state that step leaves), not at the beat's own time.
         state_at_s = beat.engine_time_s if beat.state_at_s is None else beat.state_at_s

@@ -127,7 +127,8 @@ def run_one(config: BenchConfig, policy: str, rate: float, requests: list[TraceR
             stop_cluster(state_dir)
     summary = summarize(result.records, duration_s=result.duration_s, kv_samples=result.kv_samples,
                         lag_samples_ms=result.lag_samples_ms,
-                        lag_mean_samples_ms=result.lag_mean_samples_ms, slo_ttft_ms=config.slo_ttft_ms,
+                        lag_mean_samples_ms=result.lag_mean_samples_ms,
+                        delivery_samples_ms=result.delivery_samples_ms, slo_ttft_ms=config.slo_ttft_ms,
                         lag_bound_ms=config.lag_bound_ms)
     summary.update(policy=policy, rate=rate, instances=config.instances, preset=config.preset,
                    predictor=config.predictor, time_scale=config.time_scale,

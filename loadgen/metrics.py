@@ -138,6 +138,7 @@ def summarize(
     kv_samples: Sequence[KvSample] = (),
     lag_samples_ms: Sequence[float] = (),
     lag_mean_samples_ms: Sequence[float] = (),
+    delivery_samples_ms: Sequence[float] = (),
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS,
     lag_bound_ms: float = DEFAULT_LAG_BOUND_MS,
     kv_bucket_s: float = DEFAULT_KV_BUCKET_S,
@@ -164,7 +165,9 @@ def summarize(
       ``e2e_prediction_mae_ms`` — the dispatcher's predictions vs measured;
     * the host: ``lag_mean_ms``, the mean of the beats' mean step lag (model ms: how late
       an emulated engine's steps ended on this host; what ``blockq simulate --step-lag-ms``
-      takes, times the time scale, to replay the run as this host ran it);
+      takes, times the time scale, to replay the run as this host ran it), and
+      ``delivery_p90_mean_ms``, the mean of the beats' delivery p90 (wall ms from a
+      placement's decision to the engine's intake);
     * validity: ``lag_p99_ms`` (p99 of the emulator's lag samples), ``valid`` and
       ``invalid_reason``. A run is invalid when its lag p99 exceeds ``lag_bound_ms``
       (the emulator fell behind real time, so its latencies are not trustworthy) or when
@@ -225,6 +228,7 @@ def summarize(
     summary["preemptions_total"] = sum(record.num_preemptions for record in records)
     lag_means_ms = _finite(lag_mean_samples_ms)
     summary["lag_mean_ms"] = float(lag_means_ms.mean()) if len(lag_means_ms) else None
+    summary["delivery_p90_mean_ms"] = _mean(_finite(delivery_samples_ms))
     summary.update(_validity(len(completed), num_requests, lag_samples_ms, lag_bound_ms))
     return summary
 

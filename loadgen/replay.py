@@ -39,6 +39,7 @@ class ReplayResult:
     kv_samples: list[KvSample] = field(default_factory=list)
     lag_samples_ms: list[float] = field(default_factory=list)
     lag_mean_samples_ms: list[float] = field(default_factory=list)
+    delivery_samples_ms: list[float] = field(default_factory=list)
 
 
 def max_tokens_for(request: TraceRequest, options: ReplayOptions) -> int:
@@ -144,3 +145,5 @@ async def _follow_heartbeats(client: AsyncClient, started_s: float, time_scale: 
                 result.kv_samples.append(KvSample(now_s, beat.instance_id, beat.num_used_blocks / num_blocks))
                 result.lag_samples_ms.append(beat.lag_p99_ms)
                 result.lag_mean_samples_ms.append(beat.lag_mean_ms)
+                if beat.delivery_p90_ms is not None:
+                    result.delivery_samples_ms.append(beat.delivery_p90_ms)

@@ -15,7 +15,14 @@ import redis
 
 from blockq.config import Settings
 from blockq.keys import GROUP_WORK, PAYLOAD_FIELD
-from blockq.protocol import DoneRecord, FinalRecord, decode_heartbeat, encode, unpack_map
+from blockq.protocol import (
+    Assignment,
+    DoneRecord,
+    FinalRecord,
+    decode_heartbeat,
+    encode,
+    unpack_map,
+)
 from blockq.streams import connect_async
 from tests.conftest import REPO_ROOT, wait_until
 from tests.factories import make_request
@@ -24,11 +31,13 @@ from workers.worker import InstanceWorker, WorkerOptions
 
 
 def enqueue(sync_redis: redis.Redis, settings: Settings, instance_id: str, n: int, *, output_tokens: int = 8,
-            prompt: str = "hello world") -> list[str]:
+            prompt: str = "hello world", decided_at_s: float | None = None) -> list[str]:
     ids = []
     for _ in range(n):
         request = make_request(prompt, max_tokens=64, keys=settings.keys, predicted=output_tokens,
                                true_output_tokens=output_tokens)
+        if decided_at_s is not None:  # placed by a dispatcher then
+            request = request.with_assignment(Assignment(instance_id, "round_robin", decided_at_s, 0.1))
         sync_redis.xadd(settings.keys.instance_queue(instance_id), {PAYLOAD_FIELD: encode(request)})
         ids.append(request.id)
     return ids
@@ -113,6 +122,14 @@ async def test_heartbeat_matches_engine_state(settings: Settings, sync_redis: re
     assert beat.engine_config["num_gpu_blocks"] == 1052
     assert beat.num_used_blocks > 0
     assert all(r.predicted_output_tokens == 200 for r in beat.running)
+    assert beat.delivery_p90_ms is None  # no request here came with a placement
+    placed_s = time.time() - 0.5  # as if its dispatcher decided half a second ago
+    enqueue(sync_redis, settings, "w2", 3, output_tokens=200, decided_at_s=placed_s)
+    await asyncio.to_thread(wait_until, lambda: len(the_engine.scheduler.running) == 8)
+    await worker.publish_heartbeat("live")
+    beat = decode_heartbeat(sync_redis.hget(settings.keys.instances, "w2"))
+    # From the decision to the engine: the half second, plus the queue hop and the read.
+    assert beat.delivery_p90_ms is not None and 500 <= beat.delivery_p90_ms < 500 + 2000
     stop.set()
     await task
     final_beat = decode_heartbeat(sync_redis.hget(settings.keys.instances, "w2"))

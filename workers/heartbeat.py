@@ -10,6 +10,7 @@ from blockq.protocol import (
     MAX_HEARTBEAT_CACHED_BLOCKS,
     MAX_HEARTBEAT_REQUESTS,
     Heartbeat,
+    Request,
     RequestProgress,
 )
 from workers.engines.base import Engine, EngineStepOutput
@@ -17,6 +18,9 @@ from workers.refinement import RefinementSource, with_refinement
 
 MAX_STEP_SAMPLES = 64
 MAX_FINISHED_IDS = 512
+# Deliveries (decision to engine intake) a beat's p90 is taken over: the latest, kept
+# across beats, so that an instance that received nothing lately still reports one.
+MAX_DELIVERY_SAMPLES = 64
 
 
 class HeartbeatBuilder:
@@ -36,6 +40,7 @@ class HeartbeatBuilder:
         self._finished: deque[str] = deque(maxlen=MAX_FINISHED_IDS)
         self._finished_sizes: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED_IDS)
         self._cached_blocks: deque[int] = deque(maxlen=MAX_HEARTBEAT_CACHED_BLOCKS)
+        self._deliveries_s: deque[float] = deque(maxlen=MAX_DELIVERY_SAMPLES)
 
     def record_step(self, output: EngineStepOutput) -> None:
         self._samples.extend(output.samples)
@@ -48,6 +53,12 @@ class HeartbeatBuilder:
         """A request answered ``ok`` with these sizes (beside :meth:`record_finished`)."""
         self._finished_sizes.append((prompt_tokens, output_tokens))
 
+    def record_delivery(self, request: Request, handed_over_at_s: float) -> None:
+        """``request`` reached the engine at ``handed_over_at_s`` (wall seconds, the
+        clock its dispatcher stamped ``decided_at_s`` with)."""
+        if request.assignment is not None:
+            self._deliveries_s.append(max(0.0, handed_over_at_s - request.assignment.decided_at_s))
+
     def build(self, state: str, recent_lag_ms: Iterable[float]) -> Heartbeat:
         running, waiting, num_used_blocks = self.engine.progress()
         if self.refinements is not None:
@@ -55,6 +66,8 @@ class HeartbeatBuilder:
         lags = sorted(recent_lag_ms)
         lag_p99_ms = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0
         lag_mean_ms = sum(lags) / len(lags) if lags else 0.0
+        deliveries = sorted(self._deliveries_s)
+        delivery_p90_ms = deliveries[int(0.9 * (len(deliveries) - 1))] * 1000 if deliveries else None
         self.seq += 1
         beat = Heartbeat(
             instance_id=self.instance_id, state=state, seq=self.seq, sent_at_s=self.clock(),
@@ -67,7 +80,7 @@ class HeartbeatBuilder:
             finished_ids=tuple(self._finished), finished_sizes=tuple(self._finished_sizes), step_samples=tuple(self._samples),
             lag_p99_ms=lag_p99_ms, lag_mean_ms=lag_mean_ms, time_scale=self.engine.time_scale, engine_stats=self.engine.engine_stats(),
             truncated=len(running) > MAX_HEARTBEAT_REQUESTS or len(waiting) > MAX_HEARTBEAT_REQUESTS,
-            cached_block_hashes=tuple(self._cached_blocks))
+            cached_block_hashes=tuple(self._cached_blocks), delivery_p90_ms=delivery_p90_ms)
         self._samples.clear()
         self._finished.clear()
         self._finished_sizes.clear()

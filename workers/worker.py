@@ -299,6 +299,7 @@ class InstanceWorker:
         except Exception:
             self.in_flight.pop(request.id, None)
             raise
+        self.beats.record_delivery(request, now_wall_s)
 
     def _decide(self, flight: InFlight, answer: Answer) -> None:
         """Fix ``flight``'s answer (first decision wins); the step loop writes it."""

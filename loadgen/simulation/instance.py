@@ -110,6 +110,7 @@ class SimulatedInstance:
         self.engine.add_request(spec)
         self.in_flight[request.id] = flight
         self.counters.num_admitted += 1
+        self.beats.record_delivery(request, now_s)
         return None
 
     def next_intake_check_s(self, now_s: float) -> float | None:
