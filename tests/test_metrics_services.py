@@ -65,7 +65,8 @@ SERVICE_NAMES = {
         "vllm:num_preemptions_total", "vllm:time_to_first_token_seconds_bucket",
         "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
         "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "blockq_worker_kv_blocks_used",
-        "blockq_worker_kv_blocks_total", "blockq_worker_emulator_lag_seconds", "blockq_worker_requests_total"},
+        "blockq_worker_kv_blocks_total", "blockq_worker_emulator_lag_seconds", "blockq_worker_delivery_seconds",
+        "blockq_worker_requests_total"},
     "predictor": {
         "blockq_predictor_model_info", "blockq_predictor_predictions_total", "blockq_predictor_batch_size_bucket",
         "blockq_predictor_dead_letters_total", "blockq_predictor_rolling_mae_tokens",
@@ -251,6 +252,7 @@ def test_values_move_under_load(scrapes: Scrapes) -> None:
     assert total(workers, "blockq_worker_requests_total", outcome="ok") == answered
     assert total(workers, "vllm:time_to_first_token_seconds_bucket", le="+Inf") == answered
     assert total(workers, "vllm:generation_tokens_total") > answered  # several tokens each
+    assert total(workers, "blockq_worker_delivery_seconds") > 0  # placed requests took time to arrive
     for instance_id in INSTANCES:
         assert total(workers, "blockq_worker_kv_blocks_total", instance_id=instance_id) > 0
         assert total(workers, "vllm:num_requests_running", instance_id=instance_id) == 0  # idle again

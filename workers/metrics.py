@@ -23,6 +23,9 @@ and blockq's own:
 - ``blockq_worker_emulator_lag_seconds`` (gauge): how far the emulated engine's steps ran
   behind real time, the p99 of the recent steps the heartbeat reports (``lag_p99_ms``;
   0 for vLLM, whose steps are real);
+- ``blockq_worker_delivery_seconds`` (gauge): the p90 of the recent requests' wall time
+  from the dispatcher's decision to the engine (the heartbeat's ``delivery_p90_ms``; 0
+  before the first placed request), which the dispatcher's replica waits for;
 - ``blockq_worker_requests_total{outcome}`` (counter): requests settled, by outcome:
   ``ok``, ``cancelled``, ``error``, ``dropped`` (fenced off or answered elsewhere),
   ``dead_lettered``.
@@ -100,6 +103,8 @@ class WorkerMetrics:
         self.kv_blocks_total = Gauge("blockq_worker_kv_blocks_total", "KV blocks of the engine.", LABELS, registry=r)
         self.lag_s = Gauge("blockq_worker_emulator_lag_seconds", "p99 of how far the recent engine steps ran "
                            "behind real time, seconds (0 for a real engine).", LABELS, registry=r)
+        self.delivery_s = Gauge("blockq_worker_delivery_seconds", "p90 of the recent requests' wall seconds "
+                                "from the dispatcher's decision to the engine.", LABELS, registry=r)
         self._requests = _RequestsCollector()
         r.register(self._requests)
 
@@ -127,6 +132,7 @@ class InstanceMetrics:
         self.kv_blocks_used = metrics.kv_blocks_used.labels(**labels)
         self.kv_blocks_total = metrics.kv_blocks_total.labels(**labels)
         self.lag_s = metrics.lag_s.labels(**labels)
+        self.delivery_s = metrics.delivery_s.labels(**labels)
 
     def record_beat(self, beat: Heartbeat) -> None:
         """The engine's state as the heartbeat just published reports it."""
@@ -137,6 +143,7 @@ class InstanceMetrics:
         self.kv_blocks_total.set(num_blocks)
         self.kv_usage.set(beat.num_used_blocks / num_blocks if num_blocks else 0.0)
         self.lag_s.set(beat.lag_p99_ms / 1000)
+        self.delivery_s.set((beat.delivery_p90_ms or 0.0) / 1000)
 
     def record_step(self, output: EngineStepOutput) -> None:
         if output.preempted_ids:
