@@ -43,8 +43,12 @@ SPARE_ROWS = 32  # room for the assignments expected before the next rebuild
 # simulation), plus a margin for steps that end earlier than the replica expects: a
 # step that starts within this much of a decision is taken to start without the request.
 # Chosen by measurement: README, "Below the knee and past it". Where an instance's beats
-# report a longer delivery (their p90: a loaded host, a remote Redis), that is used.
+# report a longer delivery (their p90: a loaded host, a remote Redis), that is used, up to
+# MAX_DELIVERY_S: the measurement compares the dispatcher's clock with the worker's, and
+# past that a skewed clock is likelier than a queue hop (a worker clock seconds ahead
+# would otherwise make every forecast there seconds late, and its requests refused).
 DELIVERY_S = 0.003
+MAX_DELIVERY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,8 @@ class InstanceReplica:
         """Rebuild from ``beat``, advance to now, add the assignments the beat lacks."""
         self._observe_samples(beat)
         self._beat = beat
-        self.delivery_s = max(self.min_delivery_s, (beat.delivery_p90_ms or 0.0) / 1000)
+        measured_s = min(MAX_DELIVERY_S, (beat.delivery_p90_ms or 0.0) / 1000)
+        self.delivery_s = max(self.min_delivery_s, measured_s)
         # The state holds at a step boundary (the end of the step under way when the
         # engine reports the state that step leaves), not at the beat's own time.
         state_at_s = beat.engine_time_s if beat.state_at_s is None else beat.state_at_s

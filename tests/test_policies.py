@@ -254,21 +254,24 @@ def test_a_step_starting_before_a_placed_request_reaches_the_engine_runs_without
 def test_a_replica_waits_as_long_for_delivery_as_its_instance_measures() -> None:
     """Where an instance's beats measure a longer way from decision to engine than
     ``DELIVERY_S`` (a loaded host), its replica takes steps starting within that time to
-    run without a request placed now; a shorter measurement keeps ``DELIVERY_S``."""
+    run without a request placed now, up to ``MAX_DELIVERY_S``; a shorter measurement
+    keeps ``DELIVERY_S``."""
     from blockq.engine_model import get_preset
     from dispatcher.forecast import forecast_ttft
-    from dispatcher.replica import DELIVERY_S, InstanceReplica
+    from dispatcher.replica import DELIVERY_S, MAX_DELIVERY_S, InstanceReplica
 
     preset = get_preset("llama2-7b-a30")
     decoding = RequestProgress("busy", 40, 44, 5, 500, 900)
     step_s = preset.latency_model.step_seconds(0, 1, 45)
     ttft_s = {}
-    for measured_ms in (None, 1.0, 1000 * step_s + 2.0):
+    for measured_ms in (None, 1.0, 1000 * step_s + 2.0, 5000.0):
         beat = make_heartbeat("i0", running=(decoding,), sent_at_s=0.0, engine_time_s=0.0)
         replica = InstanceReplica(preset.config, preset.latency_model)
         replica.sync(dataclasses.replace(beat, delivery_p90_ms=measured_ms), (), 0.0)
         ttft_s[measured_ms] = forecast_ttft(replica, 10, 20)
-        assert replica.delivery_s == max(DELIVERY_S, (measured_ms or 0.0) / 1000)
+        assert replica.delivery_s == max(DELIVERY_S, min(MAX_DELIVERY_S, (measured_ms or 0.0) / 1000))
+    # 5 s is a skewed clock, not a queue: the replica waits MAX_DELIVERY_S at most.
+    assert ttft_s[5000.0] < MAX_DELIVERY_S + 2 * step_s
     assert ttft_s[None] == ttft_s[1.0] == pytest.approx(step_s + preset.latency_model.step_seconds(10, 1, 46),
                                                         rel=0.02)
     # Reaching the engine 2 ms after the next step starts: it waits for that step too.

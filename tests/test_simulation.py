@@ -15,6 +15,7 @@ from blockq.keys import PAYLOAD_FIELD
 from blockq.protocol import Heartbeat, Request, decode_request, encode
 from blockq.streams import connect_async
 from dispatcher.core import DispatcherCore
+from dispatcher.replica import DELIVERY_S
 from dispatcher.service import Dispatcher
 from loadgen.simulation.cluster import ClusterSimulation
 from loadgen.simulation.config import SimulationConfig
@@ -213,6 +214,17 @@ def test_step_lag_and_ingress_delay_are_what_the_run_measures() -> None:
     fixed_waits = sorted(r.queue_wait_ms for r in plain.records)
     assert fixed_waits[-1] - fixed_waits[0] < 1.0   # constant ingress: every wait alike at this load
     assert 15 < waits[len(waits) // 2] < 30 and waits[-1] > 2 * waits[0]
+
+
+def test_the_beats_measure_the_queue_hop_as_the_delivery() -> None:
+    """The beats' delivery (decision to engine) is the decision plus the queue hop: under
+    the replicas' 3 ms floor with the defaults, and what ``queue_delay_ms`` adds."""
+    sample = _sample(60, seed=3)
+    plain = simulate_run(SimulationConfig(instances=2, policy="block", seed=3), sample, rate_per_s=2.0)
+    slow = simulate_run(SimulationConfig(instances=2, policy="block", seed=3, queue_delay_ms=20.0), sample,
+                        rate_per_s=2.0)
+    assert 0 < plain.summary["delivery_p90_mean_ms"] < 1000 * DELIVERY_S
+    assert 20 < slow.summary["delivery_p90_mean_ms"] < 20 + 1000 * DELIVERY_S
 
 
 def test_a_spread_ingress_delay_keeps_submit_order() -> None:

@@ -48,6 +48,7 @@ class ClusterResult:
     num_events: int
     end_s: float
     counters: dict[str, int] = field(default_factory=dict)
+    delivery_samples_ms: list[float] = field(default_factory=list)  # the beats' delivery p90s
     num_missed: int = 0     # answers that missed the TTFT objective (or were not ``ok``)
     aborted: bool = False   # stopped early: more than ``abort_after_misses`` missed
 
@@ -295,6 +296,8 @@ class ClusterSimulation:
         at_s = (self.now_s - self.config.warmup_s) / self.config.time_scale  # model time, as a replay samples
         self.result.kv_samples.append(KvSample(at_s, instance_id,
                                                beat.num_used_blocks / num_blocks))
+        if beat.delivery_p90_ms is not None:
+            self.result.delivery_samples_ms.append(beat.delivery_p90_ms)
         self._push(self.now_s + self.config.heartbeat_delay_ms / 1000, _BEAT_ARRIVES, beat)
         if not instance.sent_last_beat:
             self._push(self.now_s + self.config.heartbeat_ms / 1000, _BEAT, instance_id)

@@ -56,7 +56,7 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
             records.append(failed_record(trace_request, offset_s, "not answered"))
     duration_s = max(0.0, result.end_s - origin_s) / config.time_scale
     summary = summarize(records, duration_s=duration_s, kv_samples=result.kv_samples,
-                        slo_ttft_ms=config.slo_ttft_ms)
+                        delivery_samples_ms=result.delivery_samples_ms, slo_ttft_ms=config.slo_ttft_ms)
     summary.update(policy=config.policy, rate=rate_per_s, instances=config.instances, preset=config.preset,
                    seed=sample.seed, time_scale=config.time_scale, mode="simulated", events=result.counters["events"],
                    steps=result.counters["steps"], beats_rejected=result.counters["beats_rejected"],
