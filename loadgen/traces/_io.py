@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import gzip
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -37,6 +37,17 @@ def iter_csv_rows(path: str | Path) -> Iterator[dict[str, str]]:
             if not row or all(not cell.strip() for cell in row):
                 continue
             yield {name: cell.strip() for name, cell in zip(header, row, strict=False)}
+
+
+def iter_trace_rows(path: str | Path, required_columns: Sequence[str], kind: str) -> Iterator[tuple[int, dict[str, str]]]:
+    """(0-based data-row number, row) of a CSV trace (:func:`iter_csv_rows`); ValueError
+    naming ``kind`` and the missing columns when the first row lacks any of ``required_columns``."""
+    for row_index, row in enumerate(iter_csv_rows(path)):
+        if row_index == 0:
+            missing = [name for name in required_columns if name not in row]
+            if missing:
+                raise ValueError(f"{path}: not {kind}, missing columns {missing}")
+        yield row_index, row
 
 
 def parse_int(text: str | None) -> int | None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from loadgen.traces._io import iter_csv_rows, parse_int
+from loadgen.traces._io import iter_trace_rows, parse_int
 from loadgen.traces.base import (
     DEFAULT_MAX_MODEL_LEN,
     LengthPolicy,
     LoadedTrace,
     TraceRequest,
-    row_token_ids,
+    row_request,
 )
 
 REQUIRED_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -47,13 +47,9 @@ def read_azure(
     policy = LengthPolicy(max_model_len)
     requests: list[TraceRequest] = []
     first_at: datetime | None = None
-    for row_index, row in enumerate(iter_csv_rows(path)):
+    for row_index, row in iter_trace_rows(path, REQUIRED_COLUMNS, "an Azure LLM trace"):
         if limit is not None and len(requests) >= limit:
             break
-        if row_index == 0:
-            missing = [name for name in REQUIRED_COLUMNS if name not in row]
-            if missing:
-                raise ValueError(f"{path}: not an Azure LLM trace, missing columns {missing}")
         prompt_tokens = parse_int(row.get("ContextTokens"))
         output_tokens = parse_int(row.get("GeneratedTokens"))
         try:
@@ -68,14 +64,7 @@ def read_azure(
         fitted = policy.try_fit(prompt_tokens, output_tokens)
         if fitted is None:
             continue
-        requests.append(
-            TraceRequest(
-                prompt=row_token_ids(row_index, prompt_tokens, seed=seed),
-                prompt_tokens=prompt_tokens,
-                true_output_tokens=fitted[0],
-                arrival_offset_s=(arrived_at - first_at).total_seconds(),
-                trace_id=str(row_index),
-            )
-        )
+        requests.append(row_request(row_index, prompt_tokens, fitted[0], (arrived_at - first_at).total_seconds(),
+                                    seed=seed))
     policy.log_summary(str(path))
     return LoadedTrace(requests=requests, stats=policy.stats())

@@ -245,3 +245,17 @@ def row_token_ids(row_index: int, num_tokens: int, *, seed: int = 0) -> tuple[in
     return synthetic_token_ids(
         row_block_keys(row_index, 1), num_tokens, block_size_tokens=max(num_tokens, 1), seed=seed
     )
+
+
+def row_request(row_index: int, prompt_tokens: int, true_output_tokens: int, arrival_offset_s: float | None, *,
+                seed: int = 0, predicted_output_tokens: int | None = None) -> TraceRequest:
+    """The request of a trace row without text: synthetic prompt token ids unique to the
+    row (:func:`row_token_ids`), ``trace_id`` the row number."""
+    return TraceRequest(
+        prompt=row_token_ids(row_index, prompt_tokens, seed=seed),
+        prompt_tokens=prompt_tokens,
+        true_output_tokens=true_output_tokens,
+        arrival_offset_s=arrival_offset_s,
+        predicted_output_tokens=predicted_output_tokens,
+        trace_id=str(row_index),
+    )

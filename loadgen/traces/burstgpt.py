@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadgen.traces._io import iter_csv_rows, parse_float, parse_int
+from loadgen.traces._io import iter_trace_rows, parse_float, parse_int
 from loadgen.traces.base import (
     DEFAULT_MAX_MODEL_LEN,
     LengthPolicy,
     LoadedTrace,
     TraceRequest,
-    row_token_ids,
+    row_request,
 )
 
 REQUIRED_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
@@ -41,13 +41,9 @@ def read_burstgpt(
     policy = LengthPolicy(max_model_len)
     requests: list[TraceRequest] = []
     first_at_s: float | None = None
-    for row_index, row in enumerate(iter_csv_rows(path)):
+    for row_index, row in iter_trace_rows(path, REQUIRED_COLUMNS, "a BurstGPT trace"):
         if limit is not None and len(requests) >= limit:
             break
-        if row_index == 0:
-            missing = [name for name in REQUIRED_COLUMNS if name not in row]
-            if missing:
-                raise ValueError(f"{path}: not a BurstGPT trace, missing columns {missing}")
         if model is not None and row.get("Model") != model:
             continue
         arrived_at_s = parse_float(row.get("Timestamp"))
@@ -61,14 +57,6 @@ def read_burstgpt(
         fitted = policy.try_fit(prompt_tokens, output_tokens)
         if fitted is None:
             continue
-        requests.append(
-            TraceRequest(
-                prompt=row_token_ids(row_index, prompt_tokens, seed=seed),
-                prompt_tokens=prompt_tokens,
-                true_output_tokens=fitted[0],
-                arrival_offset_s=arrived_at_s - first_at_s,
-                trace_id=str(row_index),
-            )
-        )
+        requests.append(row_request(row_index, prompt_tokens, fitted[0], arrived_at_s - first_at_s, seed=seed))
     policy.log_summary(str(path))
     return LoadedTrace(requests=requests, stats=policy.stats())

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadgen.traces._io import iter_csv_rows, parse_float, parse_int
+from loadgen.traces._io import iter_trace_rows, parse_float, parse_int
 from loadgen.traces.base import (
     DEFAULT_MAX_MODEL_LEN,
     LengthPolicy,
     LoadedTrace,
     TraceRequest,
-    row_token_ids,
+    row_request,
 )
 
 REQUIRED_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
@@ -38,13 +38,9 @@ def read_vidur(
     """
     policy = LengthPolicy(max_model_len)
     requests: list[TraceRequest] = []
-    for row_index, row in enumerate(iter_csv_rows(path)):
+    for row_index, row in iter_trace_rows(path, REQUIRED_COLUMNS, "a Vidur trace"):
         if limit is not None and len(requests) >= limit:
             break
-        if row_index == 0:
-            missing = [name for name in REQUIRED_COLUMNS if name not in row]
-            if missing:
-                raise ValueError(f"{path}: not a Vidur trace, missing columns {missing}")
         prompt_tokens = parse_int(row.get("num_prefill_tokens"))
         output_tokens = parse_int(row.get("num_decode_tokens"))
         if prompt_tokens is None or output_tokens is None:
@@ -55,15 +51,7 @@ def read_vidur(
         if fitted is None:
             continue
         true_output_tokens, predicted = fitted
-        requests.append(
-            TraceRequest(
-                prompt=row_token_ids(row_index, prompt_tokens, seed=seed),
-                prompt_tokens=prompt_tokens,
-                true_output_tokens=true_output_tokens,
-                arrival_offset_s=parse_float(row.get("arrived_at")),
-                predicted_output_tokens=predicted,
-                trace_id=str(row_index),
-            )
-        )
+        requests.append(row_request(row_index, prompt_tokens, true_output_tokens, parse_float(row.get("arrived_at")),
+                                    seed=seed, predicted_output_tokens=predicted))
     policy.log_summary(str(path))
     return LoadedTrace(requests=requests, stats=policy.stats())
