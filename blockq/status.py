@@ -10,10 +10,11 @@ from typing import Any
 
 import redis
 
+from blockq.beats import decode_heartbeat
 from blockq.config import Settings
 from blockq.health import HealthPolicy
 from blockq.keys import GROUP_DISPATCH, GROUP_PREDICT, GROUP_WORK
-from blockq.protocol import ValidationError, decode_heartbeat
+from blockq.protocol import ValidationError
 from blockq.state import ClusterState
 
 

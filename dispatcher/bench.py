@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from blockq.beats import Heartbeat, RequestProgress
 from blockq.config import Settings
 from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
 from blockq.keys import PAYLOAD_FIELD, Keys
-from blockq.protocol import Heartbeat, Prediction, Request, RequestProgress, decode_request, encode
+from blockq.protocol import Prediction, Request, decode_request, encode
 from blockq.streams import connect_async
 from dispatcher.core import DispatcherCore, Placed
 from dispatcher.forecast import DEFAULT_OBJECTIVE

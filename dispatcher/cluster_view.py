@@ -22,11 +22,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from blockq.beats import Heartbeat
 from blockq.engine_model import EngineConfig, StepLatencyModel, get_preset
 from blockq.engine_model.presets import PRESETS
 from blockq.health import HealthPolicy
 from blockq.prefix import PREFIX_BLOCK_TOKENS
-from blockq.protocol import Heartbeat, Request
+from blockq.protocol import Request
 from dispatcher.lengths import check_length_mode
 from dispatcher.prefix_index import PrefixIndex
 from dispatcher.replica import InstanceReplica

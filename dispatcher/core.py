@@ -15,8 +15,9 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from blockq.beats import Heartbeat
 from blockq.health import HealthPolicy
-from blockq.protocol import Assignment, Heartbeat, Request
+from blockq.protocol import Assignment, Request
 from dispatcher.admission import Infeasible, judge
 from dispatcher.autoscale.futures import DRAINING, LIVE, STARTING, FleetSnapshot, InstanceState
 from dispatcher.cluster_view import InstanceView

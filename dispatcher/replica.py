@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blockq.beats import Heartbeat, RequestProgress
 from blockq.engine_model import EngineConfig, StepLatencyModel, StepSample
 from blockq.engine_model.packed import PackedScheduler, RestoredRow
 from blockq.engine_model.packed_layout import FINISHED
-from blockq.protocol import Heartbeat, Request, RequestProgress
+from blockq.protocol import Request
 from dispatcher.lengths import LengthBelief, belief_from_prediction, check_length_mode
 from dispatcher.prefix_index import PrefixIndex
 

@@ -46,19 +46,13 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
+from blockq.beats import decode_heartbeat
 from blockq.config import AutoscaleOptions, Settings
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
 from blockq.health import HealthPolicy
 from blockq.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
 from blockq.output import queue_final, set_owner
-from blockq.protocol import (
-    Placement,
-    Request,
-    ValidationError,
-    decode_heartbeat,
-    decode_request,
-    encode,
-)
+from blockq.protocol import Placement, Request, ValidationError, decode_request, encode
 from blockq.streams import GroupConsumer, StreamEntry, queue_redis_time, redis_time_ms
 from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.autoscaling_service import AutoscalingService, create_autoscaling

@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from blockq.beats import decode_heartbeat
 from blockq.client import AsyncClient, AsyncHandle, Overloaded
 from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import FinalRecord, ValidationError, decode_heartbeat
+from blockq.protocol import FinalRecord, ValidationError
 from loadgen.metrics import KvSample, RequestRecord
 from loadgen.traces import TraceRequest
 

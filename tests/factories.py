@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from blockq.beats import Heartbeat, RequestProgress
 from blockq.engine_model import (
     EngineConfig,
     EngineRequest,
@@ -20,7 +21,7 @@ from blockq.engine_model import (
 )
 from blockq.engine_model.bench import sharegpt_like_request
 from blockq.keys import Keys
-from blockq.protocol import Heartbeat, Prediction, Request, RequestProgress
+from blockq.protocol import Prediction, Request
 
 
 def make_request(prompt: str = "hello", max_tokens: int = 16, *, keys: Keys | None = None,

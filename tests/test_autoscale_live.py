@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 import redis
 
+from blockq.beats import RequestProgress
 from blockq.config import AutoscaleOptions, ConfigError, MetricsEndpoint, Settings
 from blockq.engine_model.packed import PackedScheduler
 from blockq.keys import DECISION_FIELD, PAYLOAD_FIELD
 from blockq.metrics_server import serve_metrics
-from blockq.protocol import FinalRecord, RequestProgress, decode_reply_entry, encode
+from blockq.protocol import FinalRecord, decode_reply_entry, encode
 from blockq.streams import connect_async
 from blockq.supervisor import ChildSpec, Supervisor, WorkerScaling
 from dispatcher.autoscale import (

@@ -136,7 +136,8 @@ def test_thousand_line_job_survives_a_killed_worker(cluster: dict[str, Any], wor
 
 def test_sigterm_hands_the_job_back_and_invalid_lines_are_reported(cluster: dict[str, Any], workers: list[Any],
                                                                    tmp_path: Path) -> None:
-    input_path = write_input(tmp_path / "in.jsonl", 120, invalid_at=(5, 77))
+    # 6 s of work at 60 lines/s: the SIGTERM lands mid-job on a busy host too.
+    input_path = write_input(tmp_path / "in.jsonl", 360, invalid_at=(5, 77))
     first = start_worker(cluster, workers)
     job_id = submit(cluster, input_path, tmp_path / "out.jsonl", "--max-rate", "60", "--priority", "interactive")
     wait_until(lambda: status_of(cluster, job_id)["done"] >= 20, timeout_s=30)
@@ -147,9 +148,9 @@ def test_sigterm_hands_the_job_back_and_invalid_lines_are_reported(cluster: dict
     start_worker(cluster, workers)
     wait_until(lambda: status_of(cluster, job_id)["status"] == "finished", timeout_s=30, interval_s=0.1)
     status = status_of(cluster, job_id)
-    assert (status["done"], status["failed"], status["total"]) == (118, 2, 120)
+    assert (status["done"], status["failed"], status["total"]) == (358, 2, 360)
     results = read_results(tmp_path / "out.jsonl")
-    assert [r["custom_id"] for r in results] == [f"req-{i}" for i in range(120) if i not in (5, 77)]
+    assert [r["custom_id"] for r in results] == [f"req-{i}" for i in range(360) if i not in (5, 77)]
     errors = read_results(tmp_path / "out.errors.jsonl")
     assert [(e["line"], e["error"]["code"]) for e in errors] == [(6, "invalid_json"), (78, "invalid_json")]
 

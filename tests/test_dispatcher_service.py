@@ -163,7 +163,7 @@ async def test_only_one_leader(settings: Settings) -> None:
 
 
 async def test_batch_is_background_work(settings: Settings, sync_redis: redis.Redis) -> None:
-    from blockq.protocol import RequestProgress
+    from blockq.beats import RequestProgress
 
     full = tuple(RequestProgress(f"r{i}", 10, 10, 1, 100, 200) for i in range(48))
     publish_beat(sync_redis, settings, "busy", running=full)

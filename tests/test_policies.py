@@ -9,9 +9,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from blockq.beats import RequestProgress
 from blockq.engine_model.packed_layout import FINISHED
 from blockq.prefix import PREFIX_BLOCK_TOKENS
-from blockq.protocol import Prediction, RequestProgress
+from blockq.protocol import Prediction
 from dispatcher.cluster_view import ClusterView
 from dispatcher.forecast import forecast
 from dispatcher.policies import POLICIES, make_policy

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from blockq.beats import RequestProgress, decode_heartbeat
 from blockq.engine_model import EngineScheduler
 from blockq.gateway.chat_template import render_plain
 from blockq.gateway.openai_requests import ChatMessage
@@ -19,7 +20,7 @@ from blockq.prefix import (
     prompt_block_hashes,
     prompt_token_ids,
 )
-from blockq.protocol import RequestProgress, ValidationError, decode_heartbeat, encode
+from blockq.protocol import ValidationError, encode
 from dispatcher.cluster_view import InstanceView
 from dispatcher.core import DispatcherCore
 from dispatcher.replica import InstanceReplica

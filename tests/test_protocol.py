@@ -9,15 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from blockq.beats import Heartbeat, RequestProgress, decode_heartbeat
 from blockq.protocol import (
     Assignment,
-    Heartbeat,
     Prediction,
     ProtocolLimits,
     Request,
-    RequestProgress,
     ValidationError,
-    decode_heartbeat,
     decode_request,
     encode,
 )

@@ -12,11 +12,12 @@ import pytest
 import redis
 from aiohttp.test_utils import TestClient, TestServer
 
+from blockq.beats import Heartbeat, RequestProgress, decode_heartbeat
 from blockq.config import Settings
 from blockq.engine_model import get_preset
 from blockq.engine_model.config import EngineConfig
 from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Heartbeat, RequestProgress, decode_heartbeat, encode
+from blockq.protocol import encode
 from blockq.streams import connect_async
 from blockq.tokenizer import AnswerTokenizer, get_token_counter
 from dispatcher.replica import InstanceReplica

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from blockq.beats import Heartbeat
 from blockq.config import Settings
 from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
 from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Heartbeat, Request, decode_request, encode
+from blockq.protocol import Request, decode_request, encode
 from blockq.streams import connect_async
 from dispatcher.core import DispatcherCore
 from dispatcher.replica import DELIVERY_S

@@ -15,10 +15,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from blockq.beats import Heartbeat, RequestProgress
 from blockq.cli import main
 from blockq.config import Settings
 from blockq.keys import GROUP_DISPATCH, PAYLOAD_FIELD, Keys
-from blockq.protocol import DoneRecord, Heartbeat, RequestProgress, encode
+from blockq.protocol import DoneRecord, encode
 from blockq.top import build_view, kv_bar, read_sample, render_text
 from tests.conftest import REPO_ROOT, wait_until
 from tests.factories import make_heartbeat, make_request

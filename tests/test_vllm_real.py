@@ -22,9 +22,9 @@ import psutil
 import pytest
 import redis
 
+from blockq.beats import decode_heartbeat
 from blockq.client import Client
 from blockq.keys import Keys
-from blockq.protocol import decode_heartbeat
 from blockq.state import ClusterState
 from loadgen.external_bench import BENCH_SERVE
 from tests.conftest import run_blockq, wait_until

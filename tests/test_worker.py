@@ -13,16 +13,10 @@ from pathlib import Path
 
 import redis
 
+from blockq.beats import decode_heartbeat
 from blockq.config import Settings
 from blockq.keys import GROUP_WORK, PAYLOAD_FIELD
-from blockq.protocol import (
-    Assignment,
-    DoneRecord,
-    FinalRecord,
-    decode_heartbeat,
-    encode,
-    unpack_map,
-)
+from blockq.protocol import Assignment, DoneRecord, FinalRecord, encode, unpack_map
 from blockq.streams import connect_async
 from tests.conftest import REPO_ROOT, wait_until
 from tests.factories import make_request

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blockq.beats import decode_heartbeat
 from blockq.config import Settings
 from blockq.embedded_redis import start_embedded_redis
 from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Prediction, Request, decode_heartbeat, encode
+from blockq.protocol import Prediction, Request, encode
 from blockq.streams import connect
 
 

@@ -4,7 +4,7 @@ A request's first guess (p10/p50/p90 of its output length) comes from its prompt
 Once it runs, its partial output says much more about how much is left
 (:mod:`predictor_service.models.refine`). A worker asks for a refinement each time a
 request crosses a checkpoint (every ``every_tokens`` generated tokens: 64, 128, ...), and
-its beats report the latest one in the request's :class:`~blockq.protocol.RequestProgress`
+its beats report the latest one in the request's :class:`~blockq.beats.RequestProgress`
 (``refined_at_tokens`` set, quantiles as *total* output tokens); the dispatcher's replicas
 then simulate the request with the refined distribution instead of the first guess.
 
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from blockq.protocol import RequestProgress
+from blockq.beats import RequestProgress
 
 DEFAULT_REFINE_EVERY_TOKENS = 64
 MAX_BOOK_REQUESTS = 20_000

@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from blockq.beats import decode_heartbeat
 from blockq.client import AsyncClient, Overloaded
 from blockq.config import Settings
 from blockq.gateway.chat_template import load_chat_template
@@ -41,7 +42,7 @@ from blockq.gateway.openai_requests import (
     parse_completion_request,
 )
 from blockq.metrics_server import metrics_response
-from blockq.protocol import ValidationError, decode_heartbeat
+from blockq.protocol import ValidationError
 
 log = structlog.get_logger(__name__)
 

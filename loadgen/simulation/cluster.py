@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockq.protocol import FinalRecord, Heartbeat, Request
+from blockq.beats import Heartbeat
+from blockq.protocol import FinalRecord, Request
 from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.core import DispatcherCore, Held, Placed
 from loadgen.metrics import KvSample

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from blockq.protocol import RequestProgress
+from blockq.beats import RequestProgress
 
 
 class TokenEvent(NamedTuple):

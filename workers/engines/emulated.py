@@ -37,9 +37,9 @@ from typing import Any
 
 import structlog
 
+from blockq.beats import RequestProgress
 from blockq.engine_model import EngineRequest, EngineScheduler, StepResult, get_preset
 from blockq.prefix import PREFIX_BLOCK_TOKENS, continued_block_hashes, num_filled_blocks
-from blockq.protocol import RequestProgress
 from blockq.tokenizer import AnswerTokenizer
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 
