@@ -10,10 +10,10 @@ from typing import Any, NamedTuple
 from blockq.protocol import (
     SCHEMA_VERSION,
     ValidationError,
-    _block_hash_list,
-    _check_envelope,
-    _get,
-    _get_float,
+    block_hash_list,
+    check_envelope,
+    field_of,
+    float_field,
     unpack_map,
 )
 
@@ -119,24 +119,24 @@ class Heartbeat:
 
     @classmethod
     def from_map(cls, data: Mapping[str, Any]) -> Heartbeat:
-        _check_envelope(data, "heartbeat")
-        state = _get(data, "state", str)
+        check_envelope(data, "heartbeat")
+        state = field_of(data, "state", str)
         if state not in INSTANCE_STATES:
             raise ValidationError("state", f"must be one of {', '.join(INSTANCE_STATES)} (got {state!r})")
         values = {f.name: data.get(f.name) for f in fields(cls)}
-        values["running"] = tuple(RequestProgress.from_list(v) for v in _get(data, "running", list))
-        values["waiting"] = tuple(RequestProgress.from_list(v) for v in _get(data, "waiting", list))
+        values["running"] = tuple(RequestProgress.from_list(v) for v in field_of(data, "running", list))
+        values["waiting"] = tuple(RequestProgress.from_list(v) for v in field_of(data, "waiting", list))
         values["finished_ids"] = tuple(data.get("finished_ids") or ())
         values["finished_sizes"] = _finished_sizes(data.get("finished_sizes") or ())
         values["step_samples"] = tuple(tuple(s) for s in data.get("step_samples") or ())
-        values["lag_mean_ms"] = _get_float(data, "lag_mean_ms") if "lag_mean_ms" in data else 0.0
-        values["state_at_s"] = _get_float(data, "state_at_s", required=False)
-        values["delivery_p90_ms"] = _get_float(data, "delivery_p90_ms", required=False)
-        values["cached_block_hashes"] = _block_hash_list(data, "cached_block_hashes", MAX_HEARTBEAT_CACHED_BLOCKS)
-        _get(data, "instance_id", str)
-        _get(data, "seq", int)
-        _get_float(data, "sent_at_s")
-        _get(data, "engine_config", dict)
+        values["lag_mean_ms"] = float_field(data, "lag_mean_ms") if "lag_mean_ms" in data else 0.0
+        values["state_at_s"] = float_field(data, "state_at_s", required=False)
+        values["delivery_p90_ms"] = float_field(data, "delivery_p90_ms", required=False)
+        values["cached_block_hashes"] = block_hash_list(data, "cached_block_hashes", MAX_HEARTBEAT_CACHED_BLOCKS)
+        field_of(data, "instance_id", str)
+        field_of(data, "seq", int)
+        float_field(data, "sent_at_s")
+        field_of(data, "engine_config", dict)
         return cls(**values)
 
 

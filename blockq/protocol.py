@@ -65,7 +65,8 @@ DEFAULT_LIMITS = ProtocolLimits()
 # --- field checks -----------------------------------------------------------------------
 
 
-def _get(data: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], *, required: bool = True) -> Any:
+def field_of(data: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], *, required: bool = True) -> Any:
+    """``data[name]`` checked to be of ``kinds``; ValidationError naming the field otherwise."""
     if name not in data or data[name] is None:
         if required:
             raise ValidationError(name, "is required")
@@ -84,8 +85,9 @@ def _kind_names(kinds: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def _get_float(data: Mapping[str, Any], name: str, *, required: bool = True) -> float | None:
-    value = _get(data, name, (int, float), required=required)
+def float_field(data: Mapping[str, Any], name: str, *, required: bool = True) -> float | None:
+    """A finite number field as a float (:func:`field_of`)."""
+    value = field_of(data, name, (int, float), required=required)
     if value is None:
         return None
     if not math.isfinite(value):
@@ -110,14 +112,14 @@ def _check_text(name: str, value: str, max_chars: int) -> None:
 
 
 def _optional_int(data: Mapping[str, Any], name: str, low: int = 0, high: int = 2**31) -> int | None:
-    value = _get(data, name, int, required=False)
+    value = field_of(data, name, int, required=False)
     if value is not None:
         _check_range(name, value, low, high)
     return value
 
 
 def _optional_text(data: Mapping[str, Any], name: str, max_chars: int) -> str | None:
-    value = _get(data, name, str, required=False)
+    value = field_of(data, name, str, required=False)
     if value is not None:
         _check_text(name, value, max_chars)
     return value
@@ -142,11 +144,11 @@ class Prediction:
     @classmethod
     def from_map(cls, data: Mapping[str, Any]) -> Prediction:
         return cls(
-            prompt_tokens=_get(data, "prompt_tokens", int),
-            predicted_output_tokens=_get(data, "predicted_output_tokens", int),
-            p10_tokens=_get(data, "p10_tokens", int),
-            p90_tokens=_get(data, "p90_tokens", int),
-            predictor_version=_get(data, "predictor_version", str),
+            prompt_tokens=field_of(data, "prompt_tokens", int),
+            predicted_output_tokens=field_of(data, "predicted_output_tokens", int),
+            p10_tokens=field_of(data, "p10_tokens", int),
+            p90_tokens=field_of(data, "p90_tokens", int),
+            predictor_version=field_of(data, "predictor_version", str),
         )
 
 
@@ -167,12 +169,12 @@ class Assignment:
     @classmethod
     def from_map(cls, data: Mapping[str, Any]) -> Assignment:
         return cls(
-            instance_id=_get(data, "instance_id", str),
-            policy=_get(data, "policy", str),
-            decided_at_s=_get_float(data, "decided_at_s"),
-            decision_ms=_get_float(data, "decision_ms"),
-            predicted_ttft_ms=_get_float(data, "predicted_ttft_ms", required=False),
-            predicted_e2e_ms=_get_float(data, "predicted_e2e_ms", required=False),
+            instance_id=field_of(data, "instance_id", str),
+            policy=field_of(data, "policy", str),
+            decided_at_s=float_field(data, "decided_at_s"),
+            decision_ms=float_field(data, "decision_ms"),
+            predicted_ttft_ms=float_field(data, "predicted_ttft_ms", required=False),
+            predicted_e2e_ms=float_field(data, "predicted_e2e_ms", required=False),
         )
 
 
@@ -245,36 +247,36 @@ class Request:
         """Validate ``data``; with ``keys``, the reply stream must also be exactly
         ``keys.reply(id)`` (a stage reading client input passes them: any other key would
         let a client write into another request's output, or into a key of another type)."""
-        _check_envelope(data, "request")
-        request_id = _get(data, "id", str)
+        check_envelope(data, "request")
+        request_id = field_of(data, "id", str)
         if not request_id:
             raise ValidationError("id", "must not be empty")
         _check_text("id", request_id, limits.max_id_chars)
-        max_tokens = _get(data, "max_tokens", int)
+        max_tokens = field_of(data, "max_tokens", int)
         _check_range("max_tokens", max_tokens, limits.min_max_tokens, limits.max_max_tokens)
-        temperature = _get_float(data, "temperature", required=False)
-        top_p = _get_float(data, "top_p", required=False)
-        priority = _get(data, "priority", str, required=False) or "interactive"
+        temperature = float_field(data, "temperature", required=False)
+        top_p = float_field(data, "top_p", required=False)
+        priority = field_of(data, "priority", str, required=False) or "interactive"
         if priority not in PRIORITIES:
             raise ValidationError("priority", f"must be one of {', '.join(PRIORITIES)} (got {priority!r})")
-        tenant = _get(data, "tenant", str, required=False) or "default"
+        tenant = field_of(data, "tenant", str, required=False) or "default"
         _check_text("tenant", tenant, limits.max_tenant_chars)
-        prediction = _get(data, "prediction", dict, required=False)
-        assignment = _get(data, "assignment", dict, required=False)
+        prediction = field_of(data, "prediction", dict, required=False)
+        assignment = field_of(data, "assignment", dict, required=False)
         request = cls(
             id=request_id,
             prompt=_decode_prompt(data, limits),
             max_tokens=max_tokens,
-            reply_stream=_get(data, "reply_stream", str),
-            submitted_at_s=_get_float(data, "submitted_at_s"),
+            reply_stream=field_of(data, "reply_stream", str),
+            submitted_at_s=float_field(data, "submitted_at_s"),
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
             stop=_decode_stop(data, limits),
             priority=priority,
-            deadline_s=_get_float(data, "deadline_s", required=False),
-            slo_ttft_ms=_get_float(data, "slo_ttft_ms", required=False),
-            best_effort=bool(_get(data, "best_effort", bool, required=False)),
-            ignore_eos=bool(_get(data, "ignore_eos", bool, required=False)),
+            deadline_s=float_field(data, "deadline_s", required=False),
+            slo_ttft_ms=float_field(data, "slo_ttft_ms", required=False),
+            best_effort=bool(field_of(data, "best_effort", bool, required=False)),
+            ignore_eos=bool(field_of(data, "ignore_eos", bool, required=False)),
             min_tokens=_optional_int(data, "min_tokens", 0) or 0,
             tenant=tenant,
             num_turns=_optional_int(data, "num_turns", 1, 10_000) or 1,
@@ -297,17 +299,18 @@ class Request:
         return request
 
 
-def _check_envelope(data: Mapping[str, Any], kind: str) -> None:
-    version = _get(data, "v", int)
+def check_envelope(data: Mapping[str, Any], kind: str) -> None:
+    """The schema version and ``kind`` of a decoded message; ValidationError otherwise."""
+    version = field_of(data, "v", int)
     if version != SCHEMA_VERSION:
         raise ValidationError("v", f"unsupported schema version {version} (supported: {SCHEMA_VERSION})")
-    got = _get(data, "kind", str)
+    got = field_of(data, "kind", str)
     if got != kind:
         raise ValidationError("kind", f"expected {kind!r} (got {got!r})")
 
 
 def _decode_prompt(data: Mapping[str, Any], limits: ProtocolLimits) -> str | tuple[int, ...]:
-    prompt = _get(data, "prompt", (str, list, tuple))
+    prompt = field_of(data, "prompt", (str, list, tuple))
     if isinstance(prompt, str):
         if not prompt:
             raise ValidationError("prompt", "must not be empty")
@@ -326,11 +329,12 @@ def _decode_prompt(data: Mapping[str, Any], limits: ProtocolLimits) -> str | tup
 
 def _decode_block_hashes(data: Mapping[str, Any], limits: ProtocolLimits) -> tuple[int, ...]:
     # One hash per full block, so never more than the longest token-id prompt has blocks.
-    return _block_hash_list(data, "prompt_block_hashes", limits.max_prompt_token_ids // PREFIX_BLOCK_TOKENS + 1)
+    return block_hash_list(data, "prompt_block_hashes", limits.max_prompt_token_ids // PREFIX_BLOCK_TOKENS + 1)
 
 
-def _block_hash_list(data: Mapping[str, Any], name: str, max_hashes: int) -> tuple[int, ...]:
-    hashes = _get(data, name, (list, tuple), required=False)
+def block_hash_list(data: Mapping[str, Any], name: str, max_hashes: int) -> tuple[int, ...]:
+    """A list field of prefix block hashes, at most ``max_hashes`` of them."""
+    hashes = field_of(data, name, (list, tuple), required=False)
     if not hashes:
         return ()
     if len(hashes) > max_hashes:
@@ -341,7 +345,7 @@ def _block_hash_list(data: Mapping[str, Any], name: str, max_hashes: int) -> tup
 
 
 def _decode_stop(data: Mapping[str, Any], limits: ProtocolLimits) -> tuple[str, ...]:
-    stop = _get(data, "stop", (list, tuple, str), required=False)
+    stop = field_of(data, "stop", (list, tuple, str), required=False)
     if stop is None:
         return ()
     if isinstance(stop, str):
@@ -447,9 +451,9 @@ class FinalRecord:
 
     @classmethod
     def from_map(cls, data: Mapping[str, Any]) -> FinalRecord:
-        _check_envelope(data, "final")
+        check_envelope(data, "final")
         values = {f.name: data.get(f.name) for f in fields(cls) if f.name != "request_id"}
-        return cls(request_id=_get(data, "id", str), **values)
+        return cls(request_id=field_of(data, "id", str), **values)
 
 
 @dataclass(frozen=True)
@@ -481,7 +485,7 @@ class DoneRecord:
 
     @classmethod
     def from_map(cls, data: Mapping[str, Any]) -> DoneRecord:
-        _check_envelope(data, "done")
+        check_envelope(data, "done")
         return cls(**{f.name: data.get(f.name) for f in fields(cls)})
 
 
@@ -490,16 +494,16 @@ def decode_reply_entry(raw: bytes) -> Chunk | FinalRecord | Placement:
     data = unpack_map(raw)
     kind = data.get("kind")
     if kind == "placement":
-        _check_envelope(data, "placement")
-        return Placement(request_id=_get(data, "id", str), instance=_get(data, "instance", str),
-                         policy=_get(data, "policy", str), decided_at_s=_get_float(data, "decided_at_s"),
-                         predicted_ttft_ms=_get_float(data, "predicted_ttft_ms", required=False),
-                         predicted_e2e_ms=_get_float(data, "predicted_e2e_ms", required=False))
+        check_envelope(data, "placement")
+        return Placement(request_id=field_of(data, "id", str), instance=field_of(data, "instance", str),
+                         policy=field_of(data, "policy", str), decided_at_s=float_field(data, "decided_at_s"),
+                         predicted_ttft_ms=float_field(data, "predicted_ttft_ms", required=False),
+                         predicted_e2e_ms=float_field(data, "predicted_e2e_ms", required=False))
     if kind == "chunk":
-        _check_envelope(data, "chunk")
-        return Chunk(request_id=_get(data, "id", str), index=_get(data, "index", int),
-                     text=_get(data, "text", str), num_tokens=_get(data, "num_tokens", int),
-                     offset_tokens=_get(data, "offset_tokens", int, required=False))
+        check_envelope(data, "chunk")
+        return Chunk(request_id=field_of(data, "id", str), index=field_of(data, "index", int),
+                     text=field_of(data, "text", str), num_tokens=field_of(data, "num_tokens", int),
+                     offset_tokens=field_of(data, "offset_tokens", int, required=False))
     return FinalRecord.from_map(data)
 
 
