@@ -2,7 +2,7 @@
 
 from blockq.client import AsyncClient, Client, Overloaded, SubmitSpec
 from blockq.config import ConfigError, Settings
-from blockq.protocol import FinalRecord, ValidationError
+from blockq.wire.protocol import FinalRecord, ValidationError
 
 __version__ = "0.1.0"
 __all__ = ["AsyncClient", "Client", "ConfigError", "FinalRecord", "Overloaded", "Settings",

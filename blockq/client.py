@@ -23,9 +23,9 @@ from typing import Any
 import redis
 
 from blockq.config import ConfigError, Settings
-from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Chunk, FinalRecord, Placement, Request, decode_reply_entry, encode
-from blockq.streams import connect, connect_async
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import Chunk, FinalRecord, Placement, Request, decode_reply_entry, encode
+from blockq.wire.streams import connect, connect_async
 
 # A reader outlives a Redis restart: it retries its read (from the last entry it saw)
 # after this pause, until its timeout.
@@ -46,7 +46,7 @@ RECONNECT_PAUSE_S = 0.2
 # One script so that concurrent clients cannot all pass the check and then all add.
 # It reads keys it is not passed (the instance queues, named by the instances hash):
 # Redis Cluster allows that only within the script's slot, which the key prefix's hash
-# tag puts every blockq key in (blockq.keys).
+# tag puts every blockq key in (blockq.wire.keys).
 _ADMIT_SCRIPT = """
 local num_requests = #KEYS - 3
 local ids = {}
@@ -143,7 +143,7 @@ def _admission_call(requests: list[Request], settings: Settings) -> tuple[list[s
     """KEYS and ARGV of the admission script for ``requests``."""
     keys = settings.keys
     # The script builds instance queue names itself (from the instances hash): hand it the
-    # parts of the name around the instance id, so that key names stay in blockq.keys.
+    # parts of the name around the instance id, so that key names stay in blockq.wire.keys.
     marker = "\x00"
     queue_head, queue_tail = keys.instance_queue(marker).split(marker)
     script_keys = [keys.requests, keys.ready, keys.instances, *(keys.submitted(r.id) for r in requests)]

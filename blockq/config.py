@@ -5,14 +5,14 @@ Environment variables (all optional):
 
 =============================  ==========================================================
 ``BLOCKQ_REDIS_URL``           where Redis is (user, password allowed; forms in
-                               :mod:`blockq.redis_url`): one server, ``redis://[:pw@]host:6379/0``
+                               :mod:`blockq.wire.redis_url`): one server, ``redis://[:pw@]host:6379/0``
                                (``rediss://``, ``unix://``); through Sentinel,
                                ``redis+sentinel://[:pw@]s1:26379,s2:26379/<service_name>[/db]``
                                (``rediss+sentinel://``; ``?sentinel_password=`` when the
                                Sentinels have their own); a Redis Cluster,
                                ``redis+cluster://[:pw@]node1:6379,node2:6379`` (``rediss+cluster://``)
 ``BLOCKQ_KEY_PREFIX``          key prefix, default ``bq:``; on Redis Cluster it must hold a
-                               hash tag, e.g. ``{bq}:`` (every key in one slot: :mod:`blockq.keys`)
+                               hash tag, e.g. ``{bq}:`` (every key in one slot: :mod:`blockq.wire.keys`)
 ``BLOCKQ_MAX_BACKLOG``         requests accepted and not finished (entries in ``req``, ``ready``
                                and every instance queue) past which submit raises Overloaded
 ``BLOCKQ_MAX_DELIVERIES``      an entry delivered more often than this is dead-lettered
@@ -36,18 +36,21 @@ Environment variables (all optional):
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockq.keys import DEFAULT_PREFIX, Keys, hash_tag
-from blockq.protocol import MAX_SLO_TTFT_MS, ProtocolLimits
-from blockq.redis_url import RedisUrlError, parse_redis_url
+from blockq.wire.keys import DEFAULT_PREFIX, Keys, hash_tag
+from blockq.wire.protocol import MAX_SLO_TTFT_MS, ProtocolLimits
+from blockq.wire.redis_url import RedisUrlError, parse_redis_url
 
 ENV_PREFIX = "BLOCKQ_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Running requests are refined every this many generated tokens (workers.refinement).
+DEFAULT_REFINE_EVERY_TOKENS = 64
 
 
 class ConfigError(ValueError):
@@ -55,9 +58,9 @@ class ConfigError(ValueError):
 
 
 def validate_redis_url(url: str, key_prefix: str | None = None) -> str:
-    """Check a Redis URL, in any form of :mod:`blockq.redis_url` (one server, Sentinel,
+    """Check a Redis URL, in any form of :mod:`blockq.wire.redis_url` (one server, Sentinel,
     Cluster); returns it unchanged. On Redis Cluster, ``key_prefix`` (when given) must
-    hold a hash tag, so that every blockq key shares one slot (:mod:`blockq.keys`)."""
+    hold a hash tag, so that every blockq key shares one slot (:mod:`blockq.wire.keys`)."""
     try:
         target = parse_redis_url(url)
     except RedisUrlError as exc:
@@ -255,3 +258,14 @@ def metrics_endpoint(port: str | None, host: str = "127.0.0.1",
     except ValueError:
         raise ConfigError(f"metrics_port: must be a TCP port or '{METRICS_OFF}' (got {raw!r})") from None
     return MetricsEndpoint(number, host)
+
+
+def add_refine_arguments(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+    """``--refine-model`` and ``--refine-every-tokens``, as ``blockq up``, ``bench`` and
+    ``simulate`` take them (``defaults`` False: None unless given, for overrides)."""
+    parser.add_argument("--refine-model", default=None,
+                        help="a refinement model directory (blockq predictor refine-train): running requests "
+                             "report their remaining length refined from their partial output")
+    parser.add_argument("--refine-every-tokens", type=int, default=DEFAULT_REFINE_EVERY_TOKENS if defaults else None,
+                        help=f"refine each running request every this many generated tokens "
+                             f"(default {DEFAULT_REFINE_EVERY_TOKENS})")

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from blockq.protocol import STATUS_INFEASIBLE as INFEASIBLE
-from blockq.protocol import FinalRecord, Request
+from blockq.wire.protocol import STATUS_INFEASIBLE as INFEASIBLE
+from blockq.wire.protocol import FinalRecord, Request
 
 if TYPE_CHECKING:  # the policies import this module
     from dispatcher.policies.base import Decision

@@ -6,12 +6,16 @@ import argparse
 import asyncio
 
 from blockq.config import AUTOSCALERS, AutoscaleOptions, add_scaling_options
-from blockq.metrics_server import add_metrics_arguments, metrics_endpoint_from_args, serving_metrics
-from blockq.service import add_common_arguments, run_service, settings_from_args
-from blockq.streams import connect_async, default_consumer_name
-from dispatcher.forecast import DEFAULT_OBJECTIVE, OBJECTIVES
+from blockq.runtime.metrics_server import (
+    add_metrics_arguments,
+    metrics_endpoint_from_args,
+    serving_metrics,
+)
+from blockq.runtime.service_runner import add_common_arguments, run_service, settings_from_args
+from blockq.wire.streams import connect_async, default_consumer_name
 from dispatcher.policies import POLICIES
 from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for_decisions
+from dispatcher.what_if import DEFAULT_OBJECTIVE, OBJECTIVES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,13 +22,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from blockq.beats import Heartbeat
 from blockq.engine_model import EngineConfig, StepLatencyModel, get_preset
 from blockq.engine_model.presets import PRESETS
-from blockq.health import HealthPolicy
-from blockq.prefix import PREFIX_BLOCK_TOKENS
-from blockq.protocol import Request
-from dispatcher.lengths import check_length_mode
+from blockq.lengths import check_length_mode
+from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS
+from blockq.wire.beats import Heartbeat
+from blockq.wire.health import HealthPolicy
+from blockq.wire.protocol import Request
 from dispatcher.prefix_index import PrefixIndex
 from dispatcher.replica import InstanceReplica
 
@@ -83,7 +83,7 @@ class ClusterView:
         """``keep_replicas``: every live instance gets a scheduler replica from its first
         beat on, rebuilt on the heartbeat path (for policies that simulate); otherwise a
         replica is made only when :meth:`replica` is first asked for one. ``lengths``: the
-        output lengths the replicas simulate with (:data:`dispatcher.lengths.LENGTH_MODES`)."""
+        output lengths the replicas simulate with (:data:`blockq.lengths.LENGTH_MODES`)."""
         self.health_policy = health_policy or HealthPolicy()
         self.instances: dict[str, InstanceView] = {}
         self.keep_replicas = keep_replicas

@@ -15,16 +15,16 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from blockq.beats import Heartbeat
-from blockq.health import HealthPolicy
-from blockq.protocol import Assignment, Request
+from blockq.wire.beats import Heartbeat
+from blockq.wire.health import HealthPolicy
+from blockq.wire.protocol import Assignment, Request
 from dispatcher.admission import Infeasible, judge
 from dispatcher.autoscale.futures import DRAINING, LIVE, STARTING, FleetSnapshot, InstanceState
 from dispatcher.cluster_view import InstanceView
-from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies import Policy, make_policy, make_view
 from dispatcher.priority import eligible_candidates
 from dispatcher.replica import prompt_tokens_of
+from dispatcher.what_if import DEFAULT_OBJECTIVE
 
 NUM_ANSWERED_SIZES = 2000
 

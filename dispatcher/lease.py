@@ -105,7 +105,7 @@ class Lease:
         benchmarks and differential tests do) writes the same commands in one plain
         pipeline. Redis Cluster: one transaction's keys must share a slot; the lease,
         ``ready``, instance queues, owner keys and reply streams do, because there the key
-        prefix carries a hash tag (:mod:`blockq.keys`), and redis-py's cluster pipelines
+        prefix carries a hash tag (:mod:`blockq.wire.keys`), and redis-py's cluster pipelines
         run WATCH/MULTI/EXEC on the node of that slot."""
         if not self.fences_writes:
             pipe = self.client.pipeline(transaction=False)

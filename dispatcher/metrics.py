@@ -1,5 +1,5 @@
 """The dispatcher's Prometheus metrics: one registry per dispatcher process, served on
-``--metrics-port`` together with the autoscaler's (:class:`dispatcher.scale_hooks.AutoscaleMetrics`).
+``--metrics-port`` together with the autoscaler's (:class:`dispatcher.autoscale.actuators.AutoscaleMetrics`).
 
 Metrics (``policy`` is the placement policy's name):
 
@@ -24,7 +24,7 @@ Metrics (``policy`` is the placement policy's name):
   capped, so the figure stops growing at the cap), as the leader last read it.
 
 **Where the forecast errors come from.** The policy's forecast for the chosen instance
-travels with the request (its :class:`~blockq.protocol.Assignment`); the worker copies it
+travels with the request (its :class:`~blockq.wire.protocol.Assignment`); the worker copies it
 into the request's ``done`` record next to the measured TTFT and E2E (model time from
 submission, the figures ``loadgen`` compares too, so the error also holds the little
 time between submission and the decision). :class:`DoneFollower` reads ``done`` in the
@@ -47,8 +47,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from blockq.keys import PAYLOAD_FIELD, Keys
-from blockq.protocol import DoneRecord, ValidationError, unpack_map
+from blockq.wire.keys import PAYLOAD_FIELD, Keys
+from blockq.wire.protocol import DoneRecord, ValidationError, unpack_map
 from dispatcher.core import Placed
 
 if TYPE_CHECKING:

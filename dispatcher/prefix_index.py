@@ -1,7 +1,7 @@
 """What the dispatcher believes an instance's prefix cache holds, from its own placements.
 
 An engine with prefix caching (vLLM's ``enable_prefix_caching``) keeps the KV blocks of
-the prompts it served, keyed by chained block hashes (:mod:`blockq.prefix`: equal hashes
+the prompts it served, keyed by chained block hashes (:mod:`blockq.text.block_hashes`: equal hashes
 mean equal prefixes), and evicts them least recently used when it needs room. The
 dispatcher sees every request it places, with its prompt's block hashes
 (``Request.prompt_block_hashes``), so it keeps one :class:`PrefixIndex` per instance: the
@@ -11,7 +11,7 @@ conversation's next turn repeats the answer), which no placement shows: the inst
 beats name those of finished requests (``Heartbeat.cached_block_hashes``), and they are
 recorded as they arrive. A request's predicted hit on an instance is its longest leading run of
 hashes found there. Only instances whose KV blocks are the hashes' size
-(:data:`~blockq.prefix.PREFIX_BLOCK_TOKENS`) get an index: another block size caches other
+(:data:`~blockq.text.block_hashes.PREFIX_BLOCK_TOKENS`) get an index: another block size caches other
 boundaries, and no hit is predicted there.
 
 The index is an estimate, and errs on the side of hits: the engine also spends KV on
@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from blockq.prefix import PREFIX_BLOCK_TOKENS
+from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS
 
 
 def cached_tokens(num_cached_blocks: int, prompt_tokens: int, block_tokens: int = PREFIX_BLOCK_TOKENS) -> int:

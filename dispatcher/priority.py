@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockq.protocol import Request
+from blockq.wire.protocol import Request
 from dispatcher.cluster_view import InstanceView
 
 # Share of KV blocks that must be free before batch work is added to an instance.

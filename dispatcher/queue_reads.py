@@ -6,7 +6,7 @@ from __future__ import annotations
 import redis
 import redis.asyncio as aioredis
 
-from blockq.keys import GROUP_WORK
+from blockq.wire.keys import GROUP_WORK
 
 MAX_ENTRIES = 100_000
 

@@ -3,7 +3,7 @@
 A heartbeat is a snapshot from the past. On each new beat the replica is rebuilt from it
 (:meth:`PackedScheduler.restored`) at the time its state holds (``state_at_s``: the end of
 the step under way when the engine reports the state that step leaves), with output
-targets from what is known about each request (:mod:`dispatcher.lengths`: tokens
+targets from what is known about each request (:mod:`blockq.lengths`: tokens
 generated so far and the conditional length distribution, of the first guess or, once the
 worker reports one, of the latest remaining-length refinement: :mod:`workers.refinement`),
 advanced by the model time elapsed since the beat, and given back the requests this
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blockq.beats import Heartbeat, RequestProgress
 from blockq.engine_model import EngineConfig, StepLatencyModel, StepSample
 from blockq.engine_model.packed import PackedScheduler, RestoredRow
 from blockq.engine_model.packed_layout import FINISHED
-from blockq.protocol import Request
-from dispatcher.lengths import LengthBelief, belief_from_prediction, check_length_mode
+from blockq.lengths import LengthBelief, belief_from_prediction, check_length_mode
+from blockq.wire.beats import Heartbeat, RequestProgress
+from blockq.wire.protocol import Request
 from dispatcher.prefix_index import PrefixIndex
 
 REFIT_EVERY_BEATS = 50

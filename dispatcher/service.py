@@ -13,7 +13,7 @@ still in its queue are placed again on live instances.
 
 Crashes and pauses:
 
-* **Ownership.** Each placement sets ``owner:{id}`` (:func:`blockq.output.set_owner`)
+* **Ownership.** Each placement sets ``owner:{id}`` (:func:`blockq.wire.output.set_owner`)
   in the transaction that queues the request; a re-placement moves it. So the entries a
   dead instance had already taken can be moved too: if its executor was only paused, its
   writes are refused when it resumes.
@@ -46,22 +46,22 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from blockq.beats import decode_heartbeat
 from blockq.config import AutoscaleOptions, Settings
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
-from blockq.health import HealthPolicy
-from blockq.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
-from blockq.output import queue_final, set_owner
-from blockq.protocol import Placement, Request, ValidationError, decode_request, encode
-from blockq.streams import GroupConsumer, StreamEntry, queue_redis_time, redis_time_ms
+from blockq.wire.beats import decode_heartbeat
+from blockq.wire.health import HealthPolicy
+from blockq.wire.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
+from blockq.wire.output import queue_final, set_owner
+from blockq.wire.protocol import Placement, Request, ValidationError, decode_request, encode
+from blockq.wire.streams import GroupConsumer, StreamEntry, queue_redis_time, redis_time_ms
 from dispatcher.admission import Infeasible, infeasible_final
-from dispatcher.autoscaling_service import AutoscalingService, create_autoscaling
+from dispatcher.autoscale.service import AutoscalingService, create_autoscaling
 from dispatcher.cluster_view import ClusterView
 from dispatcher.core import DispatcherCore, Held, Placed
-from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
 from dispatcher.metrics import DispatcherMetrics, DoneFollower
 from dispatcher.queue_reads import read_queue
+from dispatcher.what_if import DEFAULT_OBJECTIVE
 
 log = structlog.get_logger(__name__)
 
@@ -409,7 +409,7 @@ def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: s
                       options: DispatcherOptions | None = None,
                       autoscale: AutoscaleOptions | None = None) -> Dispatcher:
     """A dispatcher whose core runs the named policy, timing decisions on the wall clock;
-    with ``autoscale``, its leader also sizes the fleet (:mod:`dispatcher.autoscaling_service`)
+    with ``autoscale``, its leader also sizes the fleet (:mod:`dispatcher.autoscale.service`)
     against the cluster's TTFT objective (3 s when the cluster has none)."""
     options = options or DispatcherOptions()
     core = DispatcherCore(policy_name, seed=seed, objective=objective, timer=time.perf_counter,

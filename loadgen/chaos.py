@@ -38,8 +38,8 @@ import redis.asyncio as aioredis
 
 from blockq.client import AsyncClient, AsyncHandle, Overloaded, SubmitSpec
 from blockq.config import Settings
-from blockq.keys import PAYLOAD_FIELD, Keys
-from blockq.protocol import FinalRecord, decode_reply_entry
+from blockq.wire.keys import PAYLOAD_FIELD, Keys
+from blockq.wire.protocol import FinalRecord, decode_reply_entry
 from loadgen.chaos_faults import (
     SCENARIOS,
     ChaosCluster,

@@ -17,9 +17,9 @@ from typing import Any
 
 import redis
 
-from blockq.keys import PAYLOAD_FIELD, Keys
-from blockq.state import ClusterState
-from loadgen.bench import stop_cluster, up_detached
+from blockq.local.state import ClusterState
+from blockq.wire.keys import PAYLOAD_FIELD, Keys
+from loadgen.benches.live import stop_cluster, up_detached
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,14 @@ import argparse
 import json
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from blockq.progress import run_progress_printer
+from blockq.config import add_refine_arguments
 from loadgen.arrivals import DEFAULT_THINK_TIME_S
-from loadgen.bench import BenchConfig, load_requests, run_bench, run_one
+from loadgen.benches.live import BenchConfig, load_requests, run_bench, run_one
+from loadgen.progress import run_progress_printer
 from loadgen.report import capacity_search, markdown_table, with_improvement_ratios, write_report
-from workers.refinement import add_refine_arguments
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -72,7 +71,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slo_ttft_ms=args.slo_ttft_ms, lag_bound_ms=args.lag_bound_ms, out_dir=args.out)
 
 
-def _progress_printer() -> Any:
+def progress_printer() -> Any:
     """Per-run progress on stderr: a bar on a terminal, periodic lines into a file."""
     return run_progress_printer()
 
@@ -83,7 +82,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.mode == "capacity":
         return run_capacity_command(args, config)
-    results, per_request, kv_samples = run_bench(config, on_progress=_progress_printer())
+    results, per_request, kv_samples = run_bench(config, on_progress=progress_printer())
     files = write_report(config.out_dir, results, per_request=per_request, kv_samples=kv_samples)
     print_results(results, list(files.values()), as_json=args.json, table=markdown_table(results))
     return 0
@@ -98,58 +97,13 @@ def print_results(results: list[dict[str, Any]], files: list[Path], *, as_json: 
         sys.stdout.write(f"\nreport: {', '.join(str(p) for p in files)}\n")
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("out/demo"))
-    parser.add_argument("--skip-live", action="store_true", help="only the simulated comparison")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
-# The live part: the whole pipeline on 4 emulated A30s, lightly loaded (about 40 s).
-DEMO_LIVE = BenchConfig(trace="synthetic", instances=4, instances_per_process=4, policies=("block",),
-                        rates=(8.0,), requests=160, seed=1, time_scale=1.0)
-# The simulated part: the paper's cluster (12 A30s) near the knee of the synthetic
-# workload, 6,000 requests; `block` with the out-of-box heuristic predictor, and `oracle`
-# (block with the true lengths) for what better predictions are worth.
-DEMO_SIMULATED = ("--trace", "synthetic", "--instances", "12", "--preset", "llama2-7b-a30",
-                  "--policies", "round_robin,llumnix,block,oracle", "--rates", "{rate}", "--requests", "6000",
-                  "--seed", "1")
-DEMO_SIMULATED_RATE = 44.0
-
-
-def run_demo_command(args: argparse.Namespace) -> int:
-    """A short live replay that proves the pipeline, then a simulated comparison at the
-    paper's scale that shows what placement is for; each labelled as what it is."""
-    from loadgen.simulation.cli import add_simulate_arguments, run_simulate_command
-
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    if not args.skip_live:
-        live = replace(DEMO_LIVE, out_dir=args.out / "live")
-        sys.stdout.write(f"== live pipeline: embedded Redis, predictor, dispatcher ({live.policies[0]}), "
-                         f"{live.instances} emulated A30s in real time, {live.requests} synthetic requests "
-                         f"at {live.rates[0]:g} req/s ==\n")
-        show = _progress_printer()
-        output = run_one(live, live.policies[0], live.rates[0], load_requests(live),
-                         lambda done, total: show("live", done, total))
-        write_report(live.out_dir, [output.summary], per_request={"live": output.records})
-        sys.stdout.write(markdown_table([output.summary]) + "\n")
-    sys.stdout.write("== simulated in virtual time (blockq simulate: the same dispatcher and engine code): "
-                     f"12 emulated A30s near the knee, 6,000 synthetic requests at {DEMO_SIMULATED_RATE:g} req/s; "
-                     "block predicts with the heuristic predictor, oracle is block with the true lengths ==\n")
-    sys.stdout.flush()
-    parser = argparse.ArgumentParser()
-    add_simulate_arguments(parser)
-    argv = [a.format(rate=DEMO_SIMULATED_RATE) for a in DEMO_SIMULATED]
-    argv += ["--out", str(args.out / "simulated")] + (["--no-progress"] if args.no_progress else [])
-    return run_simulate_command(parser.parse_args(argv))
-
-
 def run_capacity_command(args: argparse.Namespace, config: BenchConfig) -> int:
     """Per policy: the highest rate whose P99 TTFT meets the SLO (valid runs only)."""
     if len(config.rates) < 2:
         raise SystemExit("bench capacity: give --rates LOW,HIGH (the search range)")
     low, high = min(config.rates), max(config.rates)
     requests = load_requests(config)
-    progress = _progress_printer()
+    progress = progress_printer()
     capacities = []
     all_runs: list[dict[str, Any]] = []
     for policy in config.policies:

@@ -21,7 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from loadgen.metrics import KvSample, RequestRecord
+from loadgen.summaries import KvSample, RequestRecord
 
 _DPI = 110
 # Latencies at or under this are drawn at it: a log axis has no zero.

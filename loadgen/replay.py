@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from blockq.beats import decode_heartbeat
 from blockq.client import AsyncClient, AsyncHandle, Overloaded
-from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import FinalRecord, ValidationError
-from loadgen.metrics import KvSample, RequestRecord
+from blockq.wire.beats import decode_heartbeat
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import FinalRecord, ValidationError
+from loadgen.summaries import KvSample, RequestRecord
 from loadgen.traces import TraceRequest
 
 

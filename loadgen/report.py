@@ -1,6 +1,6 @@
 """Benchmark reports: results JSON, a Markdown comparison table, PNG plots, capacity search.
 
-A *result* is one :func:`loadgen.metrics.summarize` dict with ``policy`` and ``rate``
+A *result* is one :func:`loadgen.summaries.summarize` dict with ``policy`` and ``rate``
 (requests/s, or None for a trace replayed at its own times) added. Per-run maps
 (per-request records, KV samples) are keyed by :func:`loadgen.plots.run_key`
 (``"block@32"``). Improvement ratios compare each run with ``round_robin`` at the same
@@ -16,8 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadgen.metrics import KvSample, RequestRecord
 from loadgen.plots import plot_kv_usage, plot_latency_cdf, plot_latency_vs_rate, run_key
+from loadgen.summaries import KvSample, RequestRecord
 
 BASELINE_POLICY = "round_robin"
 # (ratio key, figure, True when lower is better): ratio > 1 always means "better than baseline".

@@ -1,5 +1,5 @@
 import sys
 
-from predictor_service.stage import main
+from predictor_service.serve import main
 
 sys.exit(main())

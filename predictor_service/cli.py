@@ -33,8 +33,8 @@ import os
 import sys
 from typing import Any
 
+from blockq.prediction_accuracy import METRIC_KEYS
 from predictor_service.dataset import DEFAULT_VAL_FRACTION
-from predictor_service.metrics import METRIC_KEYS
 
 
 def add_predictor_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -170,7 +170,7 @@ def _log_to_stderr() -> None:
     """Send logs to stderr (unless logging is set up already): stdout is the result."""
     import structlog
 
-    from blockq.logs import configure_logging
+    from blockq.runtime.logs import configure_logging
 
     if not structlog.is_configured():
         configure_logging(os.environ.get("BLOCKQ_LOG_LEVEL", "info"), component="predictor")

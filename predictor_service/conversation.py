@@ -1,7 +1,7 @@
 """A prompt that is a rendered conversation, read as its new message and its history.
 
 A chat client resends the whole conversation each turn; the gateway renders it with its
-``plain`` template (:func:`blockq.gateway.chat_template.render_plain`: ``user: ...\\n
+``plain`` template (:func:`blockq.frontdoors.gateway.chat_template.render_plain`: ``user: ...\\n
 assistant: ...\\nuser: <new>\\nassistant:``). What the next answer's length depends on is
 mostly the new message and how long this conversation's answers have been: on later
 ShareGPT turns the previous answer's length alone predicts the next with a smaller error

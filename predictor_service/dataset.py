@@ -22,8 +22,8 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from blockq.sharegpt import iter_conversations, iter_pairs, render_turn_prompt
-from blockq.tokenizer import TokenCounter
+from blockq.text.sharegpt_reader import iter_conversations, iter_pairs, render_turn_prompt
+from blockq.text.tokenizer import TokenCounter
 from predictor_service.models.base import PredictionInput
 
 logger = structlog.get_logger(__name__)
@@ -98,7 +98,7 @@ def iter_distinct_pairs(
     """(conversation id, prompt, answer, human turns so far) of a ShareGPT file's pairs,
     as every model reads them: blank prompts or answers skipped, prompts deduplicated on
     their exact text (first occurrence kept); a later turn's prompt is the conversation so
-    far as a chat client sends it (:func:`blockq.sharegpt.render_turn_prompt`, the
+    far as a chat client sends it (:func:`blockq.text.sharegpt_reader.render_turn_prompt`, the
     gateway's ``plain`` template). ``max_examples`` stops early."""
     path = Path(data_path)
     if not path.is_file():
@@ -206,7 +206,7 @@ def select_conversations(
     """The records of one side of the train/val split, in order (arguments unchecked).
 
     The conversation id is the one training uses (``id``, else ``record-<index>``, as in
-    :func:`blockq.sharegpt.pairs_of_conversation`); a record without ``id`` gets that id
+    :func:`blockq.text.sharegpt_reader.pairs_of_conversation`); a record without ``id`` gets that id
     written in, so its id, hence its side, stays the same when the output is read again.
     """
     for index, record in enumerate(records):

@@ -31,9 +31,9 @@ import redis.asyncio as aioredis
 import structlog
 
 from blockq.config import Settings
-from blockq.keys import GROUP_FEEDBACK, PAYLOAD_FIELD
-from blockq.protocol import DoneRecord, ValidationError, unpack_map
-from blockq.streams import GroupConsumer, StreamEntry
+from blockq.wire.keys import GROUP_FEEDBACK, PAYLOAD_FIELD
+from blockq.wire.protocol import DoneRecord, ValidationError, decode_done_record
+from blockq.wire.streams import GroupConsumer, StreamEntry
 from predictor_service.manifest import read_manifest
 from predictor_service.quality import QualityAlert, QualityMonitor, QualitySnapshot
 
@@ -201,18 +201,3 @@ class FeedbackConsumer:
     def snapshot(self) -> QualitySnapshot:
         """The monitor's current rolling figures (NaN while nothing counted)."""
         return self.monitor.snapshot()
-
-
-def decode_done_record(raw: bytes) -> DoneRecord:
-    """Decode one ``done`` entry; ``ValidationError`` names what is wrong."""
-    record = DoneRecord.from_map(unpack_map(raw))
-    if not isinstance(record.request_id, str) or not record.request_id:
-        raise ValidationError("request_id", "is required")
-    for name in ("prompt_tokens", "output_tokens"):
-        value = getattr(record, name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValidationError(name, f"must be int (got {type(value).__name__})")
-    predicted = record.predicted_output_tokens
-    if predicted is not None and (not isinstance(predicted, int) or isinstance(predicted, bool)):
-        raise ValidationError("predicted_output_tokens", f"must be int (got {type(predicted).__name__})")
-    return record

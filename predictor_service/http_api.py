@@ -11,7 +11,7 @@
   naming the offending field (``body`` for an unreadable, non-object or too-large body,
   ``prompts[3]`` for one list item).
 - ``GET /healthz``: ``{"ok": true, "backend", "version"}``.
-- ``GET /metrics``: Prometheus metrics (:mod:`predictor_service.exposition`).
+- ``GET /metrics``: Prometheus metrics (:mod:`predictor_service.metrics`).
 
 The model call runs in a worker thread (``predict`` is thread-safe) so that a large
 batch does not stall the stream stage sharing the loop.
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
-from blockq.metrics_server import metrics_response
-from blockq.protocol import DEFAULT_LIMITS, ProtocolLimits
-from blockq.tokenizer import TokenCounter
-from predictor_service.exposition import predictor_registry
+from blockq.runtime.metrics_server import metrics_response
+from blockq.text.tokenizer import TokenCounter
+from blockq.wire.protocol import DEFAULT_LIMITS, ProtocolLimits
+from predictor_service.metrics import predictor_registry
 from predictor_service.models import LengthPrediction, LengthPredictor, PredictionInput
 from predictor_service.online import PredictorSlot
 

@@ -22,7 +22,7 @@ MANIFEST_SCHEMA_VERSION = 1
 class Manifest:
     """Description of one trained model directory.
 
-    ``metrics`` holds the validation metrics (:func:`predictor_service.metrics.
+    ``metrics`` holds the validation metrics (:func:`blockq.prediction_accuracy.
     compute_metrics` keys) with a nested ``baseline`` of the same keys for the constant
     predictor ``baseline_median_tokens`` (median of the training targets).
     ``prompt_token_bin_edges`` are the inner edges of quantile bins of training prompt

@@ -1,125 +1,148 @@
-"""Accuracy metrics of output-length predictions (the Block paper's, plus rank and MAPE).
+"""The predictor's Prometheus metrics, ``blockq_predictor_*``: a collector that reads the
+serving objects' own counts at scrape time (the stage, the HTTP API, the feedback
+consumer, the online refit), so that they keep one set of counters each.
 
-All lengths are in tokens. Keys of :func:`compute_metrics`:
+Metrics: model info (value 1, labels ``backend``, ``version``); predictions and batch
+sizes (requests per model call) by ``source`` (``http``/``stage``); HTTP ``/predict``
+responses by ``code``; stream entries the stage dead-lettered; with the feedback
+consumer, the rolling figures (samples in the window, MAE in tokens, Acc-50/Acc-100 as
+fractions, validation Acc-50, prompt-length PSI; NaN while a figure has no data), alerts
+by ``kind`` and done records by ``outcome``; with the online refit, refits by ``outcome``,
+rollbacks, feedback samples held and requests awaiting their done record.
 
-- ``count``: number of examples;
-- ``mae``: mean |predicted - true|;
-- ``mape``: mean |predicted - true| / max(true, 1), a fraction (0.25 = 25 %);
-- ``acc50`` / ``acc100``: share of examples with |predicted - true| <= 50 / <= 100,
-  a fraction in [0, 1];
-- ``median_ae``: median |predicted - true|;
-- ``kendall_tau``: Kendall's tau-b rank correlation between predicted and true
-  (ties handled as tau-b; 0.0 when either side is constant).
+Served on the HTTP API's ``/metrics`` (:mod:`.http_api`) and on ``--metrics-port``
+(:func:`predictor_service.serve.serve_predictor`), one registry for both.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
 
-METRIC_KEYS = ("count", "mae", "mape", "acc50", "acc100", "median_ae", "kendall_tau")
-MAPE_DEFINITION = "mean(|predicted - true| / max(true, 1)), a fraction (0.25 = 25 %)"
-ACCURACY_DEFINITION = "share of examples with |predicted - true| <= 50 (acc50) / 100 (acc100)"
+from predictor_service.online import PredictorSlot
 
+if TYPE_CHECKING:
+    from predictor_service.feedback import FeedbackConsumer
+    from predictor_service.http_api import HttpApiStats
+    from predictor_service.online import OnlineRefitter
+    from predictor_service.stage import PredictorStage
 
-def _num_tied_pairs(values: npt.NDArray[Any]) -> int:
-    """Number of pairs with equal values: sum over groups of t * (t - 1) / 2."""
-    _, counts = np.unique(values, return_counts=True)
-    return int((counts * (counts - 1) // 2).sum())
-
-
-def _count_inversions(ranks: npt.NDArray[np.int64]) -> int:
-    """Pairs i < j with ranks[i] > ranks[j] (Fenwick tree, O(n log n))."""
-    size = int(ranks.max()) + 1 if len(ranks) else 0
-    tree = [0] * (size + 1)
-    num_inversions = 0
-    for num_seen, rank in enumerate(ranks.tolist()):
-        # how many already-seen ranks are <= rank
-        index = rank + 1
-        num_not_greater = 0
-        while index > 0:
-            num_not_greater += tree[index]
-            index -= index & -index
-        num_inversions += num_seen - num_not_greater
-        index = rank + 1
-        while index <= size:
-            tree[index] += 1
-            index += index & -index
-    return num_inversions
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def kendall_tau(x: Sequence[float] | npt.ArrayLike, y: Sequence[float] | npt.ArrayLike) -> float:
-    """Kendall's tau-b of two equal-length sequences, O(n log n).
-
-    tau_b = (concordant - discordant) / sqrt((n0 - ties_x) * (n0 - ties_y)) with
-    n0 = n (n - 1) / 2. Returns 0.0 for fewer than two items or a constant side.
-    """
-    x_values = np.asarray(x, dtype=np.float64)
-    y_values = np.asarray(y, dtype=np.float64)
-    if x_values.shape != y_values.shape:
-        raise ValueError("kendall_tau: x and y must have the same length")
-    num_items = len(x_values)
-    if num_items < 2:
-        return 0.0
-    num_pairs = num_items * (num_items - 1) // 2
-    ties_x = _num_tied_pairs(x_values)
-    ties_y = _num_tied_pairs(y_values)
-    pairs = np.stack([x_values, y_values], axis=1)
-    _, joint_counts = np.unique(pairs, axis=0, return_counts=True)
-    ties_xy = int((joint_counts * (joint_counts - 1) // 2).sum())
-    # Sort by x then y; a discordant pair is then an inversion of y's ranks (pairs
-    # tied in x are ordered by y and so never counted).
-    order = np.lexsort((y_values, x_values))
-    y_ranks = np.unique(y_values, return_inverse=True)[1][order].astype(np.int64)
-    num_discordant = _count_inversions(y_ranks)
-    denominator = math.sqrt((num_pairs - ties_x) * (num_pairs - ties_y))
-    if denominator == 0.0:
-        return 0.0
-    concordant_minus_discordant = num_pairs - ties_x - ties_y + ties_xy - 2 * num_discordant
-    return float(concordant_minus_discordant / denominator)
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)
 
 
-def compute_metrics(
-    predicted_tokens: Sequence[float] | npt.ArrayLike, true_tokens: Sequence[float] | npt.ArrayLike
-) -> dict[str, float | int]:
-    """The metrics of the module docstring for paired predictions and truths.
-
-    Empty input gives ``count`` 0 and NaN elsewhere. ``ValueError`` on unequal lengths.
-    """
-    predicted = np.asarray(predicted_tokens, dtype=np.float64)
-    truth = np.asarray(true_tokens, dtype=np.float64)
-    if predicted.shape != truth.shape:
-        raise ValueError("compute_metrics: predicted and true must have the same length")
-    if len(truth) == 0:
-        return {key: (0 if key == "count" else float("nan")) for key in METRIC_KEYS}
-    errors = np.abs(predicted - truth)
-    return {
-        "count": int(len(truth)),
-        "mae": float(errors.mean()),
-        "mape": float((errors / np.maximum(truth, 1.0)).mean()),
-        "acc50": float((errors <= 50).mean()),
-        "acc100": float((errors <= 100).mean()),
-        "median_ae": float(np.median(errors)),
-        "kendall_tau": kendall_tau(predicted, truth),
-    }
+def _batch_size_buckets(size_to_count: Counter[int]) -> list[tuple[str, float]]:
+    return [("+Inf" if math.isinf(bound) else str(bound), sum(n for size, n in size_to_count.items() if size <= bound))
+            for bound in (*BATCH_SIZE_BUCKETS, math.inf)]
 
 
-def compute_metrics_with_baseline(
-    predicted_tokens: Sequence[float] | npt.ArrayLike,
-    true_tokens: Sequence[float] | npt.ArrayLike,
-    baseline_tokens: float,
-) -> dict[str, Any]:
-    """:func:`compute_metrics` plus ``baseline``: the same keys for a constant predictor.
+class PredictorCollector(Collector):
+    """Every ``blockq_predictor_*`` metric of one predictor process (see the module
+    docstring). ``slot.predictor`` is the serving model; each other source is optional
+    (None: its metrics are left out)."""
 
-    ``baseline_tokens`` is the constant (the median of the training targets). A
-    constant has no ranking, so the baseline's ``kendall_tau`` is 0.0.
-    """
-    truth = np.asarray(true_tokens, dtype=np.float64)
-    metrics: dict[str, Any] = dict(compute_metrics(predicted_tokens, truth))
-    metrics["baseline"] = compute_metrics(np.full(truth.shape, float(baseline_tokens)), truth)
-    metrics["baseline_tokens"] = float(baseline_tokens)
-    return metrics
+    def __init__(self, slot: PredictorSlot, *, http_stats: HttpApiStats | None = None,
+                 stage: PredictorStage | None = None, feedback: FeedbackConsumer | None = None,
+                 refitter: OnlineRefitter | None = None) -> None:
+        self.slot = slot
+        self.http_stats = http_stats
+        self.stage = stage
+        self.feedback = feedback
+        self.refitter = refitter
+
+    def collect(self) -> Iterator[Metric]:
+        predictor = self.slot.predictor
+        info = GaugeMetricFamily("blockq_predictor_model_info", "Serving model (value 1).",
+                                 labels=["backend", "version"])
+        info.add_metric([predictor.backend, predictor.version], 1)
+        yield info
+        yield from self._served()
+        if self.feedback is not None:
+            yield from self._feedback(self.feedback)
+        if self.refitter is not None:
+            yield from self._refit(self.refitter)
+
+    def _served(self) -> Iterator[Metric]:
+        predictions = CounterMetricFamily("blockq_predictor_predictions", "Predictions served.", labels=["source"])
+        batches = HistogramMetricFamily("blockq_predictor_batch_size", "Requests per model call.", labels=["source"])
+        sources: list[tuple[str, int, Counter[int]]] = []
+        if self.http_stats is not None:
+            sources.append(("http", self.http_stats.num_predictions, self.http_stats.batch_size_to_num_batches))
+        if self.stage is not None:
+            sources.append(("stage", self.stage.num_annotated, self.stage.batch_size_to_num_batches))
+        for source, num_predictions, size_to_count in sources:
+            predictions.add_metric([source], num_predictions)
+            batches.add_metric([source], _batch_size_buckets(size_to_count),
+                               sum(size * n for size, n in size_to_count.items()))
+        yield predictions
+        yield batches
+        if self.http_stats is not None:
+            responses = CounterMetricFamily("blockq_predictor_http_responses", "HTTP /predict responses by status.",
+                                            labels=["code"])
+            for code, count in sorted(self.http_stats.status_to_num_responses.items()):
+                responses.add_metric([str(code)], count)
+            yield responses
+        if self.stage is not None:
+            yield CounterMetricFamily("blockq_predictor_dead_letters", "Stream entries dead-lettered by the stage.",
+                                      value=self.stage.num_dead_lettered)
+
+    @staticmethod
+    def _feedback(feedback: FeedbackConsumer) -> Iterator[Metric]:
+        from predictor_service.quality import ACCURACY_DROP, PROMPT_DRIFT
+
+        snapshot = feedback.snapshot()
+        yield _gauge("blockq_predictor_rolling_samples", "Done records in the rolling window.", snapshot.num_samples)
+        yield _gauge("blockq_predictor_rolling_mae_tokens", "Rolling mean absolute error, tokens.",
+                     float(snapshot.rolling_mae))
+        yield _gauge("blockq_predictor_rolling_acc50_ratio", "Rolling share within 50 tokens.",
+                     float(snapshot.rolling_acc50))
+        yield _gauge("blockq_predictor_rolling_acc100_ratio", "Rolling share within 100 tokens.",
+                     float(snapshot.rolling_acc100))
+        yield _gauge("blockq_predictor_validation_acc50_ratio", "Validation Acc-50 of the model.",
+                     float(snapshot.validation_acc50))
+        yield _gauge("blockq_predictor_prompt_drift_psi", "Prompt-length PSI against training.",
+                     float(snapshot.prompt_psi))
+        alerts = CounterMetricFamily("blockq_predictor_alerts", "Quality alerts raised, by kind.", labels=["kind"])
+        for kind in (ACCURACY_DROP, PROMPT_DRIFT):
+            alerts.add_metric([kind], feedback.alert_kind_to_num_alerts[kind])
+        yield alerts
+        records = CounterMetricFamily("blockq_predictor_feedback_records", "Done records read, by outcome.",
+                                      labels=["outcome"])
+        records.add_metric(["counted"], feedback.num_counted)
+        for reason, count in sorted(feedback.skip_reason_to_num_records.items()):
+            records.add_metric([f"skipped_{reason}"], count)
+        records.add_metric(["dead_lettered"], feedback.num_dead_lettered)
+        yield records
+
+    @staticmethod
+    def _refit(refitter: OnlineRefitter) -> Iterator[Metric]:
+        refits = CounterMetricFamily("blockq_predictor_refits", "Online refits, by outcome.", labels=["outcome"])
+        refits.add_metric(["ok"], refitter.num_refits)
+        refits.add_metric(["failed"], refitter.num_failed_refits)
+        yield refits
+        yield CounterMetricFamily("blockq_predictor_rollbacks", "Model rollbacks.", value=refitter.num_rollbacks)
+        yield _gauge("blockq_predictor_feedback_samples", "Feedback samples held for refit.", len(refitter.samples))
+        yield _gauge("blockq_predictor_tracked_requests", "Annotated requests awaiting their done record.",
+                     len(refitter.cache))
+
+
+def predictor_registry(slot: PredictorSlot, **sources: object) -> CollectorRegistry:
+    """A registry of its own holding one :class:`PredictorCollector` (``sources``: its
+    keyword arguments)."""
+    registry = CollectorRegistry()
+    registry.register(PredictorCollector(slot, **sources))  # type: ignore[arg-type]
+    return registry

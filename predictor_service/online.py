@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
-from blockq.protocol import DoneRecord
+from blockq.wire.protocol import DoneRecord
 from predictor_service.manifest import Manifest
 from predictor_service.models import FeedbackSample, LengthPredictor, PredictionInput
 

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from blockq.tokenizer import AnswerTokenizer
-from dispatcher.lengths import LengthBelief
+from blockq.lengths import LengthBelief
+from blockq.prediction_accuracy import kendall_tau
+from blockq.text.tokenizer import AnswerTokenizer
 from predictor_service.dataset import file_sha256, split_examples
-from predictor_service.metrics import kendall_tau
 from predictor_service.models.base import LengthPrediction
 from predictor_service.models.refine import RefineInput, RefineModel
-from predictor_service.refine_training import (
+from predictor_service.refine_examples import (
     AnswerExample,
     FirstGuess,
     first_guess_of,
@@ -103,7 +103,7 @@ def _score_stage(
 
 def conditional_median_remaining(inputs: Sequence[RefineInput]) -> npt.NDArray[np.float64]:
     """What the dispatcher simulates with today: the first guess's lognormal conditional
-    median given ``g`` (:meth:`dispatcher.lengths.LengthBelief.remaining_target`) - g."""
+    median given ``g`` (:meth:`blockq.lengths.LengthBelief.remaining_target`) - g."""
     return np.array(
         [
             LengthBelief(

@@ -20,7 +20,12 @@ from typing import Any
 import numpy as np
 import structlog
 
-from blockq.tokenizer import TokenCounter, get_token_counter
+from blockq.prediction_accuracy import (
+    ACCURACY_DEFINITION,
+    MAPE_DEFINITION,
+    compute_metrics_with_baseline,
+)
+from blockq.text.tokenizer import TokenCounter, get_token_counter
 from predictor_service.dataset import (
     DEFAULT_VAL_FRACTION,
     DatasetSplit,
@@ -32,11 +37,6 @@ from predictor_service.dataset import (
     split_examples,
 )
 from predictor_service.manifest import Manifest, read_manifest, write_manifest
-from predictor_service.metrics import (
-    ACCURACY_DEFINITION,
-    MAPE_DEFINITION,
-    compute_metrics_with_baseline,
-)
 from predictor_service.models import LengthPrediction, LengthPredictor, load_predictor
 
 logger = structlog.get_logger(__name__)

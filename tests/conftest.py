@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from blockq.config import Settings
-from blockq.embedded_redis import EmbeddedRedis, start_embedded_redis
+from blockq.local.embedded_redis import EmbeddedRedis, start_embedded_redis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

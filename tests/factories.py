@@ -10,7 +10,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from blockq.beats import Heartbeat, RequestProgress
 from blockq.engine_model import (
     EngineConfig,
     EngineRequest,
@@ -19,9 +18,10 @@ from blockq.engine_model import (
     StepResult,
     get_preset,
 )
-from blockq.engine_model.bench import sharegpt_like_request
-from blockq.keys import Keys
-from blockq.protocol import Prediction, Request
+from blockq.wire.beats import Heartbeat, RequestProgress
+from blockq.wire.keys import Keys
+from blockq.wire.protocol import Prediction, Request
+from loadgen.benches.engine_model import sharegpt_like_request
 
 
 def make_request(prompt: str = "hello", max_tokens: int = 16, *, keys: Keys | None = None,

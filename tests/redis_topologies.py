@@ -1,5 +1,5 @@
 """Redis topologies for tests, from the redis-server binary the test session already uses
-(:func:`blockq.embedded_redis.find_redis_server`; no network installs): a Redis Cluster
+(:func:`blockq.local.embedded_redis.find_redis_server`; no network installs): a Redis Cluster
 of N primaries, and a Sentinel group (one primary, one replica, three Sentinels).
 
 Every data node is an embedded Redis (:func:`start_embedded_redis`: AOF, password,
@@ -22,14 +22,14 @@ from typing import TypeVar
 
 import redis
 
-from blockq.embedded_redis import (
+from blockq.local.embedded_redis import (
     PASSWORD_FILE,
     EmbeddedRedis,
     find_redis_server,
     start_embedded_redis,
     stop_process,
 )
-from blockq.state import write_private_text
+from blockq.local.state import write_private_text
 
 NUM_SLOTS = 16384
 # Redis 6.2 puts a node's cluster bus on its port + 10000 (``cluster-port`` is 7.0+).

@@ -11,9 +11,9 @@ import redis
 
 from blockq.client import Client, Handle
 from blockq.config import Settings
-from blockq.gateway.openai_requests import RequestDefaults, parse_completion_request
-from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import (
+from blockq.frontdoors.gateway.openai_requests import RequestDefaults, parse_completion_request
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import (
     STATUS_INFEASIBLE,
     Placement,
     Request,
@@ -25,7 +25,7 @@ from dispatcher.admission import judge, ttft_slo_ms
 from dispatcher.policies.base import Decision
 from loadgen.report import meets_slo
 from loadgen.simulation.config import SimulationConfig
-from loadgen.simulation.runner import simulate_run
+from loadgen.simulation.single_run import simulate_run
 from loadgen.simulation.workload import annotate_sample, sample_trace
 from tests.factories import make_request
 from tests.test_dispatcher_service import make_dispatcher, publish_beat

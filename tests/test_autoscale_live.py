@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import redis
 
-from blockq.beats import RequestProgress
 from blockq.config import AutoscaleOptions, ConfigError, MetricsEndpoint, Settings
 from blockq.engine_model.packed import PackedScheduler
-from blockq.keys import DECISION_FIELD, PAYLOAD_FIELD
-from blockq.metrics_server import serve_metrics
-from blockq.protocol import FinalRecord, decode_reply_entry, encode
-from blockq.streams import connect_async
-from blockq.supervisor import ChildSpec, Supervisor, WorkerScaling
+from blockq.local.supervisor import ChildSpec, Supervisor, WorkerScaling
+from blockq.runtime.metrics_server import serve_metrics
+from blockq.wire.beats import RequestProgress
+from blockq.wire.keys import DECISION_FIELD, PAYLOAD_FIELD
+from blockq.wire.protocol import FinalRecord, decode_reply_entry, encode
+from blockq.wire.streams import connect_async
 from dispatcher.autoscale import (
     DRAINING,
     LIVE,
@@ -33,7 +33,7 @@ from dispatcher.autoscale import (
     InstanceState,
     ScalingDecision,
 )
-from dispatcher.autoscaling_service import instances_to_drain, starting_instances, with_draining
+from dispatcher.autoscale.service import instances_to_drain, starting_instances, with_draining
 from dispatcher.service import Dispatcher, create_dispatcher
 from tests.conftest import run_blockq, wait_until
 from tests.factories import A30, make_heartbeat
@@ -259,7 +259,7 @@ class LoadRun:
 
 async def _sizes(client: Any, keys: Any, state_dir: Path) -> tuple[int, int]:
     """(desired size, workers the supervisor runs)."""
-    from blockq.state import ClusterState
+    from blockq.local.state import ClusterState
 
     desired = await client.get(keys.autoscaler_desired)
     state = ClusterState.read(state_dir)
@@ -336,7 +336,7 @@ def test_fleet_grows_under_load_and_shrinks_after_it(tmp_path: Path) -> None:
         assert up.returncode == 0, up.stderr + up.stdout
         report = json.loads(up.stdout)
         assert report["num_live_instances"] == 1
-        from blockq.state import ClusterState
+        from blockq.local.state import ClusterState
 
         state = ClusterState.read(state_dir)
         assert state is not None

@@ -10,15 +10,15 @@ from typing import Any
 
 import redis
 
-from blockq.batch.keys import BatchKeys, batch_request_id
-from blockq.batch.lines import BatchLine, LineError, read_batch_input
-from blockq.batch.progress import BatchProgress, RateLimiter, write_lines_atomically
-from blockq.batch.runner import BatchOptions, BatchRun
 from blockq.config import Settings
-from blockq.gateway.chat_template import render_chatml
-from blockq.gateway.openai_requests import RequestDefaults
-from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Chunk, FinalRecord, decode_request, encode
+from blockq.frontdoors.batch.bookkeeping import BatchProgress, RateLimiter, write_lines_atomically
+from blockq.frontdoors.batch.keys import BatchKeys, batch_request_id
+from blockq.frontdoors.batch.lines import BatchLine, LineError, read_batch_input
+from blockq.frontdoors.batch.runner import BatchOptions, BatchRun
+from blockq.frontdoors.gateway.chat_template import render_chatml
+from blockq.frontdoors.gateway.openai_requests import RequestDefaults
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import Chunk, FinalRecord, decode_request, encode
 
 
 def write_input(path: Path, lines: list[Any]) -> Path:

@@ -1,5 +1,5 @@
 """Batch jobs end to end: a real ``blockq up`` cluster, real rq workers (``python -m
-blockq.batch worker``) started, killed and replaced by the tests, and the CLI."""
+blockq.frontdoors.batch worker``) started, killed and replaced by the tests, and the CLI."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import redis
 
-from blockq.batch.jobs import batch_status
-from blockq.batch.keys import BatchKeys
 from blockq.config import Settings
-from blockq.state import ClusterState
+from blockq.frontdoors.batch.jobs import batch_status
+from blockq.frontdoors.batch.keys import BatchKeys
+from blockq.local.state import ClusterState
 from tests.conftest import REPO_ROOT, run_blockq, wait_until
 
 LEASE_S = 2.0
@@ -60,7 +60,7 @@ def workers(cluster: dict[str, Any]) -> Iterator[list[subprocess.Popen[bytes]]]:
 
 def start_worker(cluster: dict[str, Any], workers: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
     log_file = open(cluster["logs"] / f"test-batch-worker-{len(workers)}.log", "ab")  # noqa: SIM115
-    process = subprocess.Popen([sys.executable, "-m", "blockq.batch", "worker"], cwd=REPO_ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "blockq.frontdoors.batch", "worker"], cwd=REPO_ROOT,
                                env={**os.environ, **cluster["env"]}, stdout=log_file, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL)
     log_file.close()

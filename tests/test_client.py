@@ -14,9 +14,9 @@ import redis
 
 from blockq import AsyncClient, Client, Overloaded, SubmitSpec
 from blockq.config import Settings
-from blockq.embedded_redis import start_embedded_redis
-from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Chunk, FinalRecord, decode_request, encode
+from blockq.local.embedded_redis import start_embedded_redis
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import Chunk, FinalRecord, decode_request, encode
 
 
 def write_reply(sync_redis: redis.Redis, stream: str, messages: list) -> None:
@@ -129,7 +129,7 @@ def test_reader_de_duplicates_by_token_offset_across_executions() -> None:
 
 
 def test_chunk_offset_round_trips_and_old_chunks_decode() -> None:
-    from blockq.protocol import decode_reply_entry, unpack_map
+    from blockq.wire.protocol import decode_reply_entry, unpack_map
 
     assert decode_reply_entry(encode(Chunk("r", 2, "x", 1, 7))) == Chunk("r", 2, "x", 1, 7)
     old = {k: v for k, v in unpack_map(encode(Chunk("r", 2, "x", 1))).items()}

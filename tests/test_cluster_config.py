@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from blockq.cluster_config import ClusterConfig
 from blockq.config import ConfigError, Settings
+from blockq.local.cluster_config import ClusterConfig
 from tests.conftest import REPO_ROOT
 
 
@@ -75,8 +75,8 @@ def test_vllm_from_overrides_passes_only_the_options_set() -> None:
 
 
 def test_up_flags_map_to_the_vllm_fields() -> None:
-    from blockq.cli import build_parser
-    from blockq.cli_up import _cluster_config
+    from blockq.cli.main import build_parser
+    from blockq.local.up import _cluster_config
 
     args = build_parser().parse_args(["up", "--engine", "vllm", "--model", "/m", "--block-size", "32",
                                       "--kv-cache-bytes", "1000", "--gpu-memory-utilization", "0.5",
@@ -133,8 +133,8 @@ def test_autoscale_runs_one_instance_per_process_and_passes_the_rules_on(tmp_pat
 
 
 def test_up_autoscale_flags_start_at_the_minimum_and_name_bad_values(tmp_path: Path) -> None:
-    from blockq.cli import build_parser
-    from blockq.cli_up import _cluster_config
+    from blockq.cli.main import build_parser
+    from blockq.local.up import _cluster_config
 
     def config_of(*argv: str) -> ClusterConfig:
         return _cluster_config(build_parser().parse_args(["up", *argv]))

@@ -16,16 +16,16 @@ import redis
 from blockq import AsyncClient, Client, Overloaded, SubmitSpec
 from blockq.client import _admission_call
 from blockq.config import ConfigError, Settings
-from blockq.keys import GROUP_PREDICT, PAYLOAD_FIELD, Keys
-from blockq.protocol import ValidationError, decode_request, encode
-from blockq.streams import (
+from blockq.text.tokenizer import get_token_counter
+from blockq.wire.keys import GROUP_PREDICT, PAYLOAD_FIELD, Keys
+from blockq.wire.protocol import ValidationError, decode_request, encode
+from blockq.wire.streams import (
     MAX_REASON_CHARS,
     GroupConsumer,
     StreamEntry,
     connect_async,
     default_consumer_name,
 )
-from blockq.tokenizer import get_token_counter
 from predictor_service.models import LengthPrediction, PredictionInput, load_predictor
 from predictor_service.stage import PredictorStage, StageOptions
 from tests.factories import make_request

@@ -2,7 +2,7 @@
 the Kubernetes schemas of a pinned version (``kubernetes-validate``, strict: unknown fields
 are errors), and the resources agree with each other and with blockq: Services select pods
 that exist and name ports they open, every ConfigMap / Secret key referenced exists,
-container args are real flags of blockq's commands (parsed by ``blockq.cli.build_parser``),
+container args are real flags of blockq's commands (parsed by ``blockq.cli.main.build_parser``),
 probes hit the health endpoints those args serve, and the settings parse as blockq parses
 them."""
 
@@ -20,10 +20,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from blockq.cli import build_parser
+from blockq.cli.main import build_parser
 from blockq.config import Settings
-from blockq.gateway.config import gateway_config_from_env
-from blockq.redis_url import parse_redis_url
+from blockq.frontdoors.gateway.config import gateway_config_from_env
+from blockq.wire.redis_url import parse_redis_url
 from tests.conftest import REPO_ROOT
 
 K8S_VERSION = "1.30.0"

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from blockq.protocol import Prediction
+from blockq.wire.protocol import Prediction
 from dispatcher.core import DispatcherCore, Held, Placed, Rejected
 from tests.factories import make_heartbeat, make_request
 

@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from blockq.config import Settings
-from blockq.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
-from blockq.output import FENCED, WRITTEN, queue_chunk
-from blockq.protocol import encode
-from blockq.streams import connect_async, ensure_group
+from blockq.wire.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
+from blockq.wire.output import FENCED, WRITTEN, queue_chunk
+from blockq.wire.protocol import encode
+from blockq.wire.streams import connect_async, ensure_group
 from dispatcher.service import Dispatcher, DispatcherOptions, LeaseLost, create_dispatcher
 from tests.factories import make_heartbeat, make_request
 from tests.test_dispatcher_service import queue_ids
@@ -290,4 +290,4 @@ def test_cli_defaults_to_the_stable_consumer_name() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args(["--consumer-name", "dispatch-east-1"]).consumer_name == "dispatch-east-1"
-    assert parser.parse_args([]).consumer_name is None  # then blockq.streams.default_consumer_name("dispatch")
+    assert parser.parse_args([]).consumer_name is None  # then blockq.wire.streams.default_consumer_name("dispatch")

@@ -9,9 +9,9 @@ import time
 import redis
 
 from blockq.config import Settings
-from blockq.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
-from blockq.protocol import decode_request, encode
-from blockq.streams import connect_async, ensure_group
+from blockq.wire.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
+from blockq.wire.protocol import decode_request, encode
+from blockq.wire.streams import connect_async, ensure_group
 from dispatcher.service import Dispatcher, DispatcherOptions, create_dispatcher
 from tests.factories import make_heartbeat, make_request
 
@@ -163,7 +163,7 @@ async def test_only_one_leader(settings: Settings) -> None:
 
 
 async def test_batch_is_background_work(settings: Settings, sync_redis: redis.Redis) -> None:
-    from blockq.beats import RequestProgress
+    from blockq.wire.beats import RequestProgress
 
     full = tuple(RequestProgress(f"r{i}", 10, 10, 1, 100, 200) for i in range(48))
     publish_beat(sync_redis, settings, "busy", running=full)

@@ -12,7 +12,7 @@ import pytest
 
 from blockq import AsyncClient, SubmitSpec
 from blockq.config import Settings
-from blockq.state import ClusterState, pid_alive
+from blockq.local.state import ClusterState, pid_alive
 from tests.conftest import run_blockq, wait_until
 
 

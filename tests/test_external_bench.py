@@ -1,4 +1,4 @@
-"""loadgen.external_bench: the tool's figures beside blockq's records, and the pairing."""
+"""loadgen.benches.external: the tool's figures beside blockq's records, and the pairing."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from blockq.protocol import DoneRecord
-from loadgen.external_bench import build_parser, compare, markdown, vllm_bench_argv
+from blockq.wire.protocol import DoneRecord
+from loadgen.benches.external import build_parser, compare, markdown, vllm_bench_argv
 
 
 def _done(index: int, ttft_ms: float) -> DoneRecord:

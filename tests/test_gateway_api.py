@@ -16,17 +16,24 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
 from blockq.config import Settings
-from blockq.gateway.chat_template import load_chat_template, render_chatml, render_plain
-from blockq.gateway.config import GatewayConfig, gateway_config_from_env, parse_api_keys
-from blockq.gateway.openai_requests import (
+from blockq.frontdoors.gateway.chat_template import load_chat_template, render_chatml, render_plain
+from blockq.frontdoors.gateway.config import GatewayConfig, gateway_config_from_env, parse_api_keys
+from blockq.frontdoors.gateway.openai_requests import (
     ChatMessage,
     check_json_depth,
     parse_chat_request,
     parse_completion_request,
 )
-from blockq.gateway.server import create_app
-from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Chunk, FinalRecord, Placement, ValidationError, decode_request, encode
+from blockq.frontdoors.gateway.server import create_app
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import (
+    Chunk,
+    FinalRecord,
+    Placement,
+    ValidationError,
+    decode_request,
+    encode,
+)
 
 AUTH = {"Authorization": "Bearer sk-a"}
 

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from blockq.embedded_redis import free_port
+from blockq.local.embedded_redis import free_port
 from tests.conftest import run_blockq
 
 API_KEY = "sk-test-alice"

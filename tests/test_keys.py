@@ -2,7 +2,7 @@
 
 import pytest
 
-from blockq.keys import Keys
+from blockq.wire.keys import Keys
 
 
 def test_default_prefix_key_names() -> None:
@@ -36,7 +36,7 @@ def test_bad_prefix_names_the_setting(prefix: str) -> None:
 
 
 def test_batch_key_names() -> None:
-    from blockq.keys import BatchKeys
+    from blockq.wire.keys import BatchKeys
 
     keys = BatchKeys()
     assert keys.queue_name == "bq:batch"
@@ -52,7 +52,7 @@ def test_batch_key_names() -> None:
     ("a{b", None), ("a}b{c}", "c"), ("{a}{b}", "a"),
 ])
 def test_hash_tag_is_what_redis_cluster_hashes(key: str, tag: str | None) -> None:
-    from blockq.keys import hash_tag
+    from blockq.wire.keys import hash_tag
 
     assert hash_tag(key) == tag
 
@@ -60,7 +60,7 @@ def test_hash_tag_is_what_redis_cluster_hashes(key: str, tag: str | None) -> Non
 def test_tagged_prefix_puts_every_key_in_one_slot() -> None:
     from redis.crc import key_slot
 
-    from blockq.keys import BatchKeys
+    from blockq.wire.keys import BatchKeys
 
     keys, batch = Keys("{bq}:"), BatchKeys("{bq}:")
     assert keys.hash_tag == "bq" and Keys().hash_tag is None

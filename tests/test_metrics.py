@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from loadgen.metrics import KvSample, RequestRecord, kv_usage_variance_series, summarize
+from loadgen.summaries import KvSample, RequestRecord, kv_usage_variance_series, summarize
 
 
 def make_record(index: int, **overrides: object) -> RequestRecord:

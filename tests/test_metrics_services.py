@@ -31,18 +31,18 @@ from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockq import AsyncClient, SubmitSpec
-from blockq.cluster_config import ClusterConfig
 from blockq.config import ConfigError, MetricsEndpoint, Settings, metrics_endpoint
-from blockq.embedded_redis import EmbeddedRedis
-from blockq.gateway.config import GatewayConfig
-from blockq.gateway.server import create_app as create_gateway_app
-from blockq.metrics_server import serve_metrics
-from blockq.state import ClusterState
-from blockq.streams import connect_async
-from blockq.tokenizer import get_token_counter
+from blockq.frontdoors.gateway.config import GatewayConfig
+from blockq.frontdoors.gateway.server import create_app as create_gateway_app
+from blockq.local.cluster_config import ClusterConfig
+from blockq.local.embedded_redis import EmbeddedRedis
+from blockq.local.state import ClusterState
+from blockq.runtime.metrics_server import serve_metrics
+from blockq.text.tokenizer import get_token_counter
+from blockq.wire.streams import connect_async
 from dispatcher.service import create_dispatcher
 from predictor_service.models import load_predictor
-from predictor_service.stage import add_serve_arguments, serve_predictor
+from predictor_service.serve import add_serve_arguments, serve_predictor
 from tests.conftest import REPO_ROOT, wait_until
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 from workers.metrics import WorkerMetrics
@@ -306,7 +306,7 @@ def test_worker_process_serves_metrics_on_the_env_port(settings: Settings, tmp_p
 async def test_a_taken_metrics_port_is_logged_and_the_service_goes_on() -> None:
     import structlog
 
-    from blockq.metrics_server import serving_metrics
+    from blockq.runtime.metrics_server import serving_metrics
 
     registry = WorkerMetrics().registry
     with socket.socket() as taken:
@@ -341,7 +341,7 @@ def test_ports_are_validated_naming_the_field() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(ConfigError, match="^metrics_port: "):
-        from blockq.metrics_server import metrics_endpoint_from_args
+        from blockq.runtime.metrics_server import metrics_endpoint_from_args
 
         metrics_endpoint_from_args(parser.parse_args(["--metrics-port", "65536"]))
     with pytest.raises(ConfigError, match="^metrics_base_port: .* include gateway_port"):
@@ -369,9 +369,9 @@ def test_up_assigns_a_port_per_process() -> None:
 
 def test_status_json_lists_metrics_urls(settings: Settings, tmp_path: Path, stdlib_logging: None,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from blockq.cli import main
-    from blockq.cli_up import child_spec
-    from blockq.supervisor import Supervisor
+    from blockq.cli.main import main
+    from blockq.local.supervisor import Supervisor
+    from blockq.local.up import child_spec
 
     config = ClusterConfig(instances=2, gateway=True)
     specs = [child_spec(config, name, argv) for name, argv in config.child_argvs()]
@@ -410,7 +410,7 @@ def unknown_metric_names(queries: Iterable[str], exposed: set[str]) -> set[str]:
 
 async def test_dashboard_queries_use_only_exposed_names(scrapes: Scrapes, settings: Settings) -> None:
     from blockq.config import AutoscaleOptions
-    from blockq.metrics_server import render_text
+    from blockq.runtime.metrics_server import render_text
 
     dashboard = json.loads((REPO_ROOT / "deploy" / "grafana" / "blockq.json").read_text())
     queries = list(dashboard_queries(dashboard))

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 from matplotlib.axes import Axes
 
-from loadgen.metrics import RequestRecord
 from loadgen.plots import duration_label, latency_cdf_figure, plot_latency_cdf
+from loadgen.summaries import RequestRecord
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

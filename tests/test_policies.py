@@ -9,13 +9,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from blockq.beats import RequestProgress
 from blockq.engine_model.packed_layout import FINISHED
-from blockq.prefix import PREFIX_BLOCK_TOKENS
-from blockq.protocol import Prediction
+from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS
+from blockq.wire.beats import RequestProgress
+from blockq.wire.protocol import Prediction
 from dispatcher.cluster_view import ClusterView
-from dispatcher.forecast import forecast
 from dispatcher.policies import POLICIES, make_policy
+from dispatcher.what_if import forecast
 from tests.factories import make_heartbeat, make_request
 
 
@@ -153,9 +153,9 @@ def test_forecasts_match_a_plain_simulation_as_time_moves() -> None:
     simulation on a clone of the replica, decision after decision."""
     import random
 
-    from blockq.keys import Keys
-    from dispatcher.bench import heartbeat_of, loaded_scheduler
-    from dispatcher.bench import make_request as bench_request
+    from blockq.wire.keys import Keys
+    from loadgen.benches.dispatch import heartbeat_of, loaded_scheduler
+    from loadgen.benches.dispatch import make_request as bench_request
 
     rng = random.Random(7)
     view = ClusterView()
@@ -197,7 +197,7 @@ def test_a_beat_sent_during_a_step_is_replayed_from_that_steps_end() -> None:
     published latency model's duration), and a request placed then is forecast to wait
     out the rest of the step before its own prefill."""
     from blockq.engine_model import get_preset
-    from dispatcher.forecast import forecast_ttft
+    from dispatcher.what_if import forecast_ttft
     from workers.engines.base import EngineRequestSpec
     from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
     from workers.heartbeat import HeartbeatBuilder
@@ -234,8 +234,8 @@ def test_a_step_starting_before_a_placed_request_reaches_the_engine_runs_without
     """A request placed now reaches the engine ``delivery_s`` later: a step of the
     replica starting within that time is taken without it."""
     from blockq.engine_model import get_preset
-    from dispatcher.forecast import forecast_ttft
     from dispatcher.replica import InstanceReplica
+    from dispatcher.what_if import forecast_ttft
 
     preset = get_preset("llama2-7b-a30")
     decoding = RequestProgress("busy", 40, 44, 5, 500, 900)  # decoding from its 6th token on
@@ -258,8 +258,8 @@ def test_a_replica_waits_as_long_for_delivery_as_its_instance_measures() -> None
     run without a request placed now, up to ``MAX_DELIVERY_S``; a shorter measurement
     keeps ``DELIVERY_S``."""
     from blockq.engine_model import get_preset
-    from dispatcher.forecast import forecast_ttft
     from dispatcher.replica import DELIVERY_S, MAX_DELIVERY_S, InstanceReplica
+    from dispatcher.what_if import forecast_ttft
 
     preset = get_preset("llama2-7b-a30")
     decoding = RequestProgress("busy", 40, 44, 5, 500, 900)

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from blockq.sharegpt import SharegptPair, render_turn_prompt
+from blockq.text.sharegpt_reader import SharegptPair, render_turn_prompt
 from predictor_service.conversation import (
     CONVERSATION_FEATURE_NAMES,
     conversation_features,

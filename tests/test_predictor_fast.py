@@ -7,15 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockq.tokenizer import get_token_counter
+from blockq.prediction_accuracy import compute_metrics
+from blockq.text.tokenizer import get_token_counter
 from predictor_service.dataset import load_split, output_tokens_array
 from predictor_service.manifest import Manifest
-from predictor_service.metrics import compute_metrics
 from predictor_service.models import FeedbackSample, PredictionInput, load_predictor
 from predictor_service.models.fast import FastConfig, FastLengthModel
 from predictor_service.models.fast_fit import refit_fast, save_fast_model, train_fast
-from predictor_service.synthetic import make_synthetic_sharegpt
 from predictor_service.text_score import TextScoreConfig, fit_text_score
+from tests.predictor_synthetic import make_synthetic_sharegpt
 
 SMALL_CONFIG = FastConfig(num_rounds=80, learning_rate=0.1, min_data_in_leaf=5, num_threads=1)
 

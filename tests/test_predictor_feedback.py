@@ -15,11 +15,11 @@ import redis.asyncio as aioredis
 import structlog
 
 from blockq.config import Settings
-from blockq.keys import GROUP_FEEDBACK, PAYLOAD_FIELD
-from blockq.metrics_server import render_text
-from blockq.protocol import DoneRecord, Request, decode_request, encode
-from blockq.streams import connect_async
-from blockq.tokenizer import get_token_counter
+from blockq.runtime.metrics_server import render_text
+from blockq.text.tokenizer import get_token_counter
+from blockq.wire.keys import GROUP_FEEDBACK, PAYLOAD_FIELD
+from blockq.wire.protocol import DoneRecord, Request, decode_request, encode
+from blockq.wire.streams import connect_async
 from predictor_service.feedback import (
     SKIP_NO_PREDICTION,
     SKIP_STATUS,

@@ -10,8 +10,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from blockq.config import Settings
-from blockq.streams import connect_async
-from blockq.tokenizer import get_token_counter
+from blockq.text.tokenizer import get_token_counter
+from blockq.wire.streams import connect_async
 from predictor_service.feedback import FeedbackConsumer, FeedbackOptions
 from predictor_service.http_api import (
     API_APP_KEY,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from predictor_service.metrics import compute_metrics, compute_metrics_with_baseline, kendall_tau
+from blockq.prediction_accuracy import compute_metrics, compute_metrics_with_baseline, kendall_tau
 
 
 def _brute_force_tau_b(x: list[float], y: list[float]) -> float:

@@ -22,9 +22,9 @@ from predictor_service.models.refine_features import ALL_FEATURE_NAMES, all_feat
 from predictor_service.models.refine_fit import RefineFitConfig
 from predictor_service.refine_eval import evaluate_refine_file
 from predictor_service.refine_training import RefineTrainOptions, train_refine_file, training_cuts
-from predictor_service.synthetic import write_sharegpt
 from predictor_service.training import train
 from tests.factories import list_conversations
+from tests.predictor_synthetic import write_sharegpt
 
 SMALL_FIT = RefineFitConfig(num_rounds=150, spread_num_rounds=60, min_data_in_leaf=10)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from blockq.sharegpt import iter_conversations
+from blockq.text.sharegpt_reader import iter_conversations
 from loadgen.traces import load_trace
 from predictor_service.dataset import (
     DEFAULT_VAL_FRACTION,

@@ -12,16 +12,16 @@ import pytest
 import redis
 
 from blockq.config import Settings
-from blockq.keys import GROUP_PREDICT, PAYLOAD_FIELD
-from blockq.protocol import Request, decode_request, encode
-from blockq.streams import connect_async
-from blockq.tokenizer import get_token_counter
+from blockq.text.tokenizer import get_token_counter
+from blockq.wire.keys import GROUP_PREDICT, PAYLOAD_FIELD
+from blockq.wire.protocol import Request, decode_request, encode
+from blockq.wire.streams import connect_async
 from predictor_service.models import load_predictor
 from predictor_service.models.fast import FastConfig, FastLengthModel
 from predictor_service.models.fast_fit import train_fast
 from predictor_service.stage import PredictorStage, StageOptions
-from predictor_service.synthetic import make_conversations
 from tests.factories import make_request
+from tests.predictor_synthetic import make_conversations
 
 # A small, quick model: no calibration folds, no text score, one thread.
 TINY_FAST_CONFIG = FastConfig(

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from blockq.prediction_accuracy import METRIC_KEYS
 from predictor_service.cli import add_predictor_commands
 from predictor_service.dataset import is_validation_conversation
 from predictor_service.manifest import read_manifest
-from predictor_service.metrics import METRIC_KEYS
-from predictor_service.synthetic import make_synthetic_sharegpt
+from tests.predictor_synthetic import make_synthetic_sharegpt
 
 pytestmark = pytest.mark.usefixtures("stdlib_logging")
 
@@ -87,9 +87,9 @@ def test_train_rejects_untrainable_backend(tmp_path: Path, data_path: Path) -> N
 
 
 def test_multi_turn_examples_include_history_and_dedupe(tmp_path: Path) -> None:
-    from blockq.tokenizer import get_token_counter
+    from blockq.text.tokenizer import get_token_counter
     from predictor_service.dataset import load_examples
-    from predictor_service.synthetic import make_conversations, write_sharegpt
+    from tests.predictor_synthetic import make_conversations, write_sharegpt
 
     records = make_conversations(40, seed=1)
     path = write_sharegpt(tmp_path / "multi.json", records + records[:5])  # 5 duplicates

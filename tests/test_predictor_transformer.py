@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from blockq.tokenizer import get_token_counter  # noqa: E402
+from blockq.text.tokenizer import get_token_counter  # noqa: E402
 from predictor_service.dataset import load_split  # noqa: E402
 from predictor_service.manifest import read_manifest  # noqa: E402
 from predictor_service.models import PredictionInput, load_predictor  # noqa: E402
@@ -23,7 +23,7 @@ from predictor_service.models.transformer import (  # noqa: E402
     create_fresh_encoder,
     train_transformer,
 )
-from predictor_service.synthetic import make_synthetic_sharegpt  # noqa: E402
+from tests.predictor_synthetic import make_synthetic_sharegpt  # noqa: E402
 
 TINY = {
     "hidden_size": 32,

@@ -13,11 +13,16 @@ import msgpack
 import pytest
 
 from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
-from blockq.prefix import PREFIX_BLOCK_TOKENS, block_hashes, prompt_block_hashes, prompt_token_ids
-from blockq.protocol import ValidationError, decode_request, encode
-from blockq.tokenizer import get_token_counter
+from blockq.text.block_hashes import (
+    PREFIX_BLOCK_TOKENS,
+    block_hashes,
+    prompt_block_hashes,
+    prompt_token_ids,
+)
+from blockq.text.tokenizer import get_token_counter
+from blockq.wire.protocol import ValidationError, decode_request, encode
 from loadgen.simulation.config import SimulationConfig
-from loadgen.simulation.runner import simulate_run
+from loadgen.simulation.single_run import simulate_run
 from loadgen.simulation.workload import annotate_sample
 from loadgen.traces import TraceRequest
 from predictor_service.models import load_predictor
@@ -52,7 +57,7 @@ def test_hashes_are_chained_and_cover_full_blocks_only() -> None:
 
 def test_hashes_are_the_same_in_another_process() -> None:
     tokens = [random.Random(1).randrange(32_000) for _ in range(80)]
-    code = f"from blockq.prefix import block_hashes; print(list(block_hashes({tokens})))"
+    code = f"from blockq.text.block_hashes import block_hashes; print(list(block_hashes({tokens})))"
     # A different hash seed: Python's own hash() would differ, these must not.
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PYTHONHASHSEED": "12345"}, cwd=Path(__file__).parents[1], check=True)
@@ -232,8 +237,8 @@ def test_prefix_aware_placement_finds_more_hits_than_round_robin() -> None:
 def test_prefix_caching_flags_reach_the_workers_and_their_engines(tmp_path: Path) -> None:
     import argparse
 
-    from blockq.cluster_config import ClusterConfig
     from blockq.config import ConfigError
+    from blockq.local.cluster_config import ClusterConfig
     from workers.cli import add_arguments, build_engine
     from workers.engines.vllm import VllmEngineOptions
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from blockq.beats import Heartbeat, RequestProgress
+from blockq.wire.beats import Heartbeat, RequestProgress
 from dispatcher.core import DispatcherCore, Placed
 from dispatcher.policies.prefix import BALANCE_ABS_REQUESTS
 from dispatcher.prefix_index import PrefixIndex

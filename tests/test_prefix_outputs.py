@@ -9,18 +9,18 @@ import time
 
 import pytest
 
-from blockq.beats import RequestProgress, decode_heartbeat
 from blockq.engine_model import EngineScheduler
-from blockq.gateway.chat_template import render_plain
-from blockq.gateway.openai_requests import ChatMessage
-from blockq.prefix import (
+from blockq.frontdoors.gateway.chat_template import render_plain
+from blockq.frontdoors.gateway.openai_requests import ChatMessage
+from blockq.text.block_hashes import (
     PREFIX_BLOCK_TOKENS,
     answer_block_hashes,
     continued_block_hashes,
     prompt_block_hashes,
     prompt_token_ids,
 )
-from blockq.protocol import ValidationError, encode
+from blockq.wire.beats import RequestProgress, decode_heartbeat
+from blockq.wire.protocol import ValidationError, encode
 from dispatcher.cluster_view import InstanceView
 from dispatcher.core import DispatcherCore
 from dispatcher.replica import InstanceReplica

@@ -1,4 +1,4 @@
-"""blockq.progress: periodic newline-terminated lines when stderr is a file, a bar on a terminal."""
+"""loadgen.progress: periodic newline-terminated lines when stderr is a file, a bar on a terminal."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from blockq.progress import ProgressBar, run_progress_printer
+from loadgen.progress import ProgressBar, run_progress_printer
 from tests.conftest import REPO_ROOT
 
 # A long run in miniature: 40 items, 10 ms apart, a line at most every 50 ms.
 _LONG_RUN = """
 import time
-from blockq.progress import ProgressBar
+from loadgen.progress import ProgressBar
 with ProgressBar(40, "simulate block@44", line_interval_s=0.05) as bar:
     for _ in range(40):
         time.sleep(0.01)

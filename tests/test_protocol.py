@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockq.beats import Heartbeat, RequestProgress, decode_heartbeat
-from blockq.protocol import (
+from blockq.wire.beats import Heartbeat, RequestProgress, decode_heartbeat
+from blockq.wire.protocol import (
     Assignment,
     Prediction,
     ProtocolLimits,

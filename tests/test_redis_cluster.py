@@ -3,7 +3,7 @@ whole path with real processes (``blockq up --redis redis+cluster://...`` with p
 dispatcher, workers, gateway and batch worker): submit, predict, place, generate,
 cancel, batch jobs (rq) and the gateway, with no CROSSSLOT error anywhere.
 
-The layout under test (:mod:`blockq.keys`): the key prefix ``{bq}:`` carries a hash tag,
+The layout under test (:mod:`blockq.wire.keys`): the key prefix ``{bq}:`` carries a hash tag,
 so every blockq key, and rq's under ``{bq}:rq``, sits in one slot: the fenced placement
 transaction, the output scripts and admission stay atomic; one shard holds them all.
 
@@ -25,11 +25,11 @@ import redis
 
 from blockq import AsyncClient, Client, SubmitSpec
 from blockq.config import ConfigError, Settings
-from blockq.embedded_redis import free_port
-from blockq.keys import Keys
-from blockq.redis_url import RedisUrlError, parse_redis_url, redact_url
-from blockq.state import ClusterState
-from blockq.streams import connect, connect_pinned
+from blockq.local.embedded_redis import free_port
+from blockq.local.state import ClusterState
+from blockq.wire.keys import Keys
+from blockq.wire.redis_url import RedisUrlError, parse_redis_url, redact_url
+from blockq.wire.streams import connect, connect_pinned
 from tests.conftest import run_blockq, wait_until
 from tests.redis_topologies import RedisClusterTopology, start_redis_cluster
 

@@ -28,8 +28,8 @@ import redis
 from blockq import AsyncClient, SubmitSpec
 from blockq.client import AsyncHandle
 from blockq.config import ConfigError, Settings
-from blockq.redis_url import RedisUrlError, parse_redis_url
-from blockq.streams import connect, connect_async
+from blockq.wire.redis_url import RedisUrlError, parse_redis_url
+from blockq.wire.streams import connect, connect_async
 from tests.conftest import run_blockq
 from tests.redis_topologies import SentinelTopology, start_sentinel_group
 

@@ -12,18 +12,18 @@ import pytest
 import redis
 from aiohttp.test_utils import TestClient, TestServer
 
-from blockq.beats import Heartbeat, RequestProgress, decode_heartbeat
 from blockq.config import Settings
 from blockq.engine_model import get_preset
 from blockq.engine_model.config import EngineConfig
-from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import encode
-from blockq.streams import connect_async
-from blockq.tokenizer import AnswerTokenizer, get_token_counter
+from blockq.text.tokenizer import AnswerTokenizer, get_token_counter
+from blockq.wire.beats import Heartbeat, RequestProgress, decode_heartbeat
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import encode
+from blockq.wire.streams import connect_async
 from dispatcher.replica import InstanceReplica
 from loadgen.simulation.config import SimulationConfig
-from loadgen.simulation.refinement import refine_sample
-from loadgen.simulation.runner import simulate_run
+from loadgen.simulation.precomputed_refinements import refine_sample
+from loadgen.simulation.single_run import simulate_run
 from loadgen.simulation.workload import annotate_sample, sample_trace
 from predictor_service.http_api import StaticSlot, create_app
 from predictor_service.models import load_predictor
@@ -32,10 +32,10 @@ from predictor_service.models.refine import RefineInput, RefineModel
 from predictor_service.models.refine_fit import RefineFitConfig
 from predictor_service.refine_api import add_refine_route
 from predictor_service.refine_training import RefineTrainOptions, train_refine_file
-from predictor_service.synthetic import write_sharegpt
 from predictor_service.training import train
 from tests.conftest import wait_until
 from tests.factories import list_conversations, make_heartbeat, make_request
+from tests.predictor_synthetic import write_sharegpt
 from workers.engines.base import EngineRequestSpec
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 from workers.heartbeat import HeartbeatBuilder

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.metrics import KvSample, RequestRecord, summarize
 from loadgen.plots import run_key
 from loadgen.report import capacity_search, markdown_table, with_improvement_ratios, write_report
+from loadgen.summaries import KvSample, RequestRecord, summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

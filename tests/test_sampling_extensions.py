@@ -8,7 +8,7 @@ import pytest
 
 from blockq.client import SubmitSpec, build_request
 from blockq.config import Settings
-from blockq.protocol import ValidationError
+from blockq.wire.protocol import ValidationError
 from tests.factories import make_request
 from workers.engines.base import EngineRequestSpec, TokenEvent
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions

@@ -20,14 +20,14 @@ import redis
 from rq import Queue
 from rq.serializers import DefaultSerializer
 
-from blockq.batch.jobs import fetch_batch_job, submit_batch
-from blockq.batch.keys import BatchKeys
-from blockq.batch.runner import BatchOptions
 from blockq.config import ConfigError, Settings
-from blockq.embedded_redis import EmbeddedRedis, start_embedded_redis
-from blockq.gateway.config import GatewayConfig
-from blockq.logs import MAX_VALUE_CHARS, bound_value
-from blockq.state import ClusterState, ProcessIdentity
+from blockq.frontdoors.batch.jobs import fetch_batch_job, submit_batch
+from blockq.frontdoors.batch.keys import BatchKeys
+from blockq.frontdoors.batch.runner import BatchOptions
+from blockq.frontdoors.gateway.config import GatewayConfig
+from blockq.local.embedded_redis import EmbeddedRedis, start_embedded_redis
+from blockq.local.state import ClusterState, ProcessIdentity
+from blockq.runtime.logs import MAX_VALUE_CHARS, bound_value
 from tests.conftest import REPO_ROOT, run_blockq, wait_until
 
 
@@ -187,7 +187,7 @@ def test_batch_job_round_trips_as_json(tmp_path: Path, sync_redis: redis.Redis, 
     raw = sync_redis.hget(f"rq:job:{job.id}", "data")
     assert raw is not None
     func_name, _instance, args, kwargs = json.loads(zlib.decompress(raw))
-    assert func_name == "blockq.batch.runner.execute_batch_job"
+    assert func_name == "blockq.frontdoors.batch.runner.execute_batch_job"
     assert (args, kwargs) == ([], {"options": options.to_map()})
     fetched = fetch_batch_job(sync_redis, settings, job.id)
     assert BatchOptions.from_map(fetched.kwargs["options"]) == options
@@ -199,7 +199,7 @@ def test_batch_worker_does_not_run_pickled_jobs(tmp_path: Path, sync_redis: redi
     marker = tmp_path / "pwned"
     queue = Queue(BatchKeys(settings.key_prefix).queue_name, connection=sync_redis, serializer=DefaultSerializer)
     job = queue.enqueue_call("os.system", args=(f"touch {marker}",))
-    worker = subprocess.run([sys.executable, "-m", "blockq.batch", "worker", "--burst"], cwd=REPO_ROOT,
+    worker = subprocess.run([sys.executable, "-m", "blockq.frontdoors.batch", "worker", "--burst"], cwd=REPO_ROOT,
                             env={**os.environ, "BLOCKQ_REDIS_URL": settings.redis_url or ""},
                             capture_output=True, timeout=60)
     assert worker.returncode == 0, worker.stderr.decode()[-2000:]
@@ -224,7 +224,7 @@ def test_gateway_serves_loopback_without_keys(host: str) -> None:
 
 
 def test_gateway_cli_names_the_option() -> None:
-    result = subprocess.run([sys.executable, "-m", "blockq.gateway", "--host", "0.0.0.0"], cwd=REPO_ROOT,
+    result = subprocess.run([sys.executable, "-m", "blockq.frontdoors.gateway", "--host", "0.0.0.0"], cwd=REPO_ROOT,
                             env={**os.environ, "BLOCKQ_REDIS_URL": "redis://127.0.0.1:1/0",
                                  "BLOCKQ_GATEWAY_API_KEYS": ""},
                             capture_output=True, text=True, timeout=60)
@@ -236,7 +236,7 @@ def test_gateway_cli_names_the_option() -> None:
 
 
 def test_long_log_values_are_cut() -> None:
-    code = ("from blockq.logs import configure_logging; import structlog; configure_logging('info', 'test'); "
+    code = ("from blockq.runtime.logs import configure_logging; import structlog; configure_logging('info', 'test'); "
             "structlog.get_logger().info('evil', prompt='A' * 50_000, nested={'x': ['B' * 5000]}, short='ok')")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=60)

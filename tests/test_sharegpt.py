@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from blockq.sharegpt import SharegptPair, iter_conversations, iter_pairs, pairs_of_conversation
+from blockq.text.sharegpt_reader import (
+    SharegptPair,
+    iter_conversations,
+    iter_pairs,
+    pairs_of_conversation,
+)
 
 
 def _record(conversation_id: str, *speakers_and_texts: tuple[str, str]) -> dict:

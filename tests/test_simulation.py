@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import redis
 
-from blockq.beats import Heartbeat
 from blockq.config import Settings
 from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
-from blockq.keys import PAYLOAD_FIELD
-from blockq.protocol import Request, decode_request, encode
-from blockq.streams import connect_async
+from blockq.wire.beats import Heartbeat
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import Request, decode_request, encode
+from blockq.wire.streams import connect_async
 from dispatcher.core import DispatcherCore
 from dispatcher.replica import DELIVERY_S
 from dispatcher.service import Dispatcher
 from loadgen.simulation.cluster import ClusterSimulation
 from loadgen.simulation.config import SimulationConfig
-from loadgen.simulation.runner import simulate_run
+from loadgen.simulation.single_run import simulate_run
 from loadgen.simulation.workload import (
     annotate_sample,
     arrivals_for,

@@ -17,8 +17,8 @@ import redis
 
 from blockq.client import Client
 from blockq.config import Settings
-from blockq.state import ClusterState, ProcessIdentity
-from blockq.supervisor import HEALTHY_AFTER_S, MAX_BACKOFF_S, next_restart
+from blockq.local.state import ClusterState, ProcessIdentity
+from blockq.local.supervisor import HEALTHY_AFTER_S, MAX_BACKOFF_S, next_restart
 from tests.conftest import run_blockq, wait_until
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from blockq.tokenizer import (
+from blockq.text.tokenizer import (
     EstimateTokenCounter,
     TokenCounter,
     get_token_counter,

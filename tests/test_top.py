@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from blockq.beats import Heartbeat, RequestProgress
-from blockq.cli import main
+from blockq.cli.main import main
 from blockq.config import Settings
-from blockq.keys import GROUP_DISPATCH, PAYLOAD_FIELD, Keys
-from blockq.protocol import DoneRecord, encode
-from blockq.top import build_view, kv_bar, read_sample, render_text
+from blockq.local.top import build_view, kv_bar, read_sample, render_text
+from blockq.wire.beats import Heartbeat, RequestProgress
+from blockq.wire.keys import GROUP_DISPATCH, PAYLOAD_FIELD, Keys
+from blockq.wire.protocol import DoneRecord, encode
 from tests.conftest import REPO_ROOT, wait_until
 from tests.factories import make_heartbeat, make_request
 
@@ -183,7 +183,7 @@ def test_recent_means_the_window_and_the_predictor_is_its_newest_version(
 def test_an_empty_cluster_renders() -> None:
     sample_status = {"redis_url": "redis://x", "prefix": "bq:", "instances": [], "dead_letters": 0,
                      "pending": {}, "dispatcher_leader": None}
-    from blockq.top import TopSample
+    from blockq.local.top import TopSample
 
     frame = render_text(build_view(TopSample(time.time(), sample_status, (), None, None)))
     assert "leader none" in frame and "no scored requests yet" in frame

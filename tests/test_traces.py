@@ -254,8 +254,8 @@ def _multi_turn_records() -> list[dict]:
 
 
 def test_sharegpt_multi_turn_sessions(tmp_path: Path) -> None:
-    from blockq.gateway.chat_template import render_plain
-    from blockq.gateway.openai_requests import ChatMessage
+    from blockq.frontdoors.gateway.chat_template import render_plain
+    from blockq.frontdoors.gateway.openai_requests import ChatMessage
 
     path = tmp_path / "conversations.json"
     path.write_text(json.dumps(_multi_turn_records()))

@@ -22,11 +22,11 @@ import psutil
 import pytest
 import redis
 
-from blockq.beats import decode_heartbeat
 from blockq.client import Client
-from blockq.keys import Keys
-from blockq.state import ClusterState
-from loadgen.external_bench import BENCH_SERVE
+from blockq.local.state import ClusterState
+from blockq.wire.beats import decode_heartbeat
+from blockq.wire.keys import Keys
+from loadgen.benches.external import BENCH_SERVE
 from tests.conftest import run_blockq, wait_until
 
 pytest.importorskip("vllm")
@@ -229,7 +229,7 @@ def test_vllm_bench_serve_against_the_gateway_agrees_with_blockqs_records(
     import subprocess
     import sys
 
-    from blockq.protocol import DoneRecord, unpack_map
+    from blockq.wire.protocol import DoneRecord, unpack_map
 
     state = cluster["state"]
     bus = redis.Redis.from_url(state.redis_url)
@@ -314,7 +314,7 @@ def _model_prefix_hits(scheduler: Any, prompts: list[list[int]], block_size: int
     """The prompts served one after the other by the reference scheduler: (queried, hit)
     prompt tokens, counted as the emulated engine counts them."""
     from blockq.engine_model import EngineRequest
-    from blockq.prefix import block_hashes
+    from blockq.text.block_hashes import block_hashes
     queried_before, hits_before = scheduler.prefix_cache_tokens
     for index, prompt in enumerate(prompts):
         scheduler.add_request(EngineRequest(f"p{index}", len(prompt), PREFIX_OUTPUT_TOKENS,
@@ -329,7 +329,7 @@ def test_prefix_cache_hits_of_vllm_against_the_reference_scheduler(tmp_path: Pat
     """One vLLM instance (`blockq up --prefix-caching`) serves requests with shared
     prefixes one at a time; the hit counters its beats carry are compared with the
     reference scheduler's prediction for the same sequence (vLLM's block size and KV
-    blocks, hashes from :mod:`blockq.prefix` at that block size).
+    blocks, hashes from :mod:`blockq.text.block_hashes` at that block size).
 
     While the cache holds everything, both count the same tokens: full blocks only, the
     prompt's last token always recomputed (so a prompt of whole blocks recomputes its last

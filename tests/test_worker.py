@@ -13,11 +13,11 @@ from pathlib import Path
 
 import redis
 
-from blockq.beats import decode_heartbeat
 from blockq.config import Settings
-from blockq.keys import GROUP_WORK, PAYLOAD_FIELD
-from blockq.protocol import Assignment, DoneRecord, FinalRecord, encode, unpack_map
-from blockq.streams import connect_async
+from blockq.wire.beats import decode_heartbeat
+from blockq.wire.keys import GROUP_WORK, PAYLOAD_FIELD
+from blockq.wire.protocol import Assignment, DoneRecord, FinalRecord, encode, unpack_map
+from blockq.wire.streams import connect_async
 from tests.conftest import REPO_ROOT, wait_until
 from tests.factories import make_request
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions

@@ -12,12 +12,12 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from blockq.beats import decode_heartbeat
 from blockq.client import ReplyReader
 from blockq.config import Settings
-from blockq.keys import GROUP_WORK, PAYLOAD_FIELD
-from blockq.protocol import FinalRecord, Request, encode, unpack_map
-from blockq.streams import StreamEntry, connect_async
+from blockq.wire.beats import decode_heartbeat
+from blockq.wire.keys import GROUP_WORK, PAYLOAD_FIELD
+from blockq.wire.protocol import FinalRecord, Request, encode, unpack_map
+from blockq.wire.streams import StreamEntry, connect_async
 from tests.factories import make_request
 from workers.engines.base import EngineRequestSpec, EngineStepOutput
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions, synthetic_token_text

@@ -12,12 +12,16 @@ import asyncio
 
 import structlog
 
-from blockq.metrics_server import add_metrics_arguments, metrics_endpoint_from_args, serving_metrics
-from blockq.service import add_common_arguments, run_service, settings_from_args
-from blockq.streams import connect_async
+from blockq.config import DEFAULT_REFINE_EVERY_TOKENS
+from blockq.runtime.metrics_server import (
+    add_metrics_arguments,
+    metrics_endpoint_from_args,
+    serving_metrics,
+)
+from blockq.runtime.service_runner import add_common_arguments, run_service, settings_from_args
+from blockq.wire.streams import connect_async
 from workers.engines.vllm import VllmEngineOptions  # imports vLLM only to build one
 from workers.metrics import WorkerMetrics
-from workers.refinement import DEFAULT_REFINE_EVERY_TOKENS
 from workers.worker import InstanceWorker, WorkerFailed, WorkerOptions
 
 log = structlog.get_logger(__name__)

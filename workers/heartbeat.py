@@ -6,13 +6,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from blockq.beats import (
+from blockq.wire.beats import (
     MAX_HEARTBEAT_CACHED_BLOCKS,
     MAX_HEARTBEAT_REQUESTS,
     Heartbeat,
     RequestProgress,
 )
-from blockq.protocol import Request
+from blockq.wire.protocol import Request
 from workers.engines.base import Engine, EngineStepOutput
 from workers.refinement import RefinementSource, with_refinement
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockq.protocol import Request
+from blockq.config import DEFAULT_REFINE_EVERY_TOKENS
+from blockq.wire.protocol import Request
 from workers.engines.base import Engine, EngineRequestSpec
-from workers.refinement import DEFAULT_REFINE_EVERY_TOKENS
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def engine_spec(request: Request) -> EngineRequestSpec:
     engine ends the request at ``min(true_output_tokens, max_tokens)`` (replays leave
     ``max_tokens`` at the room the model allows, so that it tells the predictor nothing).
     The emulated engine ends such a request there either way. The prompt's block hashes
-    go along for the engine's prefix cache (:mod:`blockq.prefix`)."""
+    go along for the engine's prefix cache (:mod:`blockq.text.block_hashes`)."""
     prediction = request.prediction
     if prediction is not None:
         prompt_tokens = prediction.prompt_tokens

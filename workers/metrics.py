@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from blockq.beats import Heartbeat
+from blockq.wire.beats import Heartbeat
 from workers.engines.base import EngineStepOutput
 from workers.replies import InFlight, flight_timings
 

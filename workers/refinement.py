@@ -4,7 +4,7 @@ A request's first guess (p10/p50/p90 of its output length) comes from its prompt
 Once it runs, its partial output says much more about how much is left
 (:mod:`predictor_service.models.refine`). A worker asks for a refinement each time a
 request crosses a checkpoint (every ``every_tokens`` generated tokens: 64, 128, ...), and
-its beats report the latest one in the request's :class:`~blockq.beats.RequestProgress`
+its beats report the latest one in the request's :class:`~blockq.wire.beats.RequestProgress`
 (``refined_at_tokens`` set, quantiles as *total* output tokens); the dispatcher's replicas
 then simulate the request with the refined distribution instead of the first guess.
 
@@ -18,14 +18,13 @@ applies either the same way.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from blockq.beats import RequestProgress
+from blockq.config import DEFAULT_REFINE_EVERY_TOKENS
+from blockq.wire.beats import RequestProgress
 
-DEFAULT_REFINE_EVERY_TOKENS = 64
 MAX_BOOK_REQUESTS = 20_000
 
 
@@ -128,14 +127,3 @@ class RefinementTable:
         if not refinements or index < 0:
             return None
         return refinements[min(index, len(refinements) - 1)]
-
-
-def add_refine_arguments(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
-    """``--refine-model`` and ``--refine-every-tokens``, as ``blockq up``, ``bench`` and
-    ``simulate`` take them (``defaults`` False: None unless given, for overrides)."""
-    parser.add_argument("--refine-model", default=None,
-                        help="a refinement model directory (blockq predictor refine-train): running requests "
-                             "report their remaining length refined from their partial output")
-    parser.add_argument("--refine-every-tokens", type=int, default=DEFAULT_REFINE_EVERY_TOKENS if defaults else None,
-                        help=f"refine each running request every this many generated tokens "
-                             f"(default {DEFAULT_REFINE_EVERY_TOKENS})")

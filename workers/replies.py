@@ -5,7 +5,7 @@ divided by the engine's ``time_scale``, so that they are in model time (for a re
 engine, time_scale is 1). ``queue_wait_ms`` ends when the worker took the request from
 its queue; ``ttft_ms`` and ``e2e_ms`` end at the first and last token (of this execution).
 
-Every chunk and final record goes through :mod:`blockq.output`, so a worker that no
+Every chunk and final record goes through :mod:`blockq.wire.output`, so a worker that no
 longer owns a request (it was placed again elsewhere) or writes after its final record
 is refused; the pipeline position each write returns lets the caller read that outcome.
 
@@ -29,8 +29,8 @@ from typing import Any
 
 from blockq.client import ReplyReader
 from blockq.config import Settings
-from blockq.output import queue_chunk, queue_final
-from blockq.protocol import Chunk, DoneRecord, FinalRecord, Request, encode
+from blockq.wire.output import queue_chunk, queue_final
+from blockq.wire.protocol import Chunk, DoneRecord, FinalRecord, Request, encode
 from workers.engines.base import EngineStepOutput, TokenEvent
 
 

@@ -10,7 +10,7 @@ is ACKed once its final record's write is confirmed, in the next round trip. SIG
 drains: no new reads, running requests finish, the last beats say ``draining`` then
 ``stopped``.
 
-Delivery rules. Output goes through :mod:`blockq.output`: a write refused because the
+Delivery rules. Output goes through :mod:`blockq.wire.output`: a write refused because the
 request now belongs to another instance (``FENCED``) or already has its final record
 (``ALREADY_FINAL``) drops the request here (aborted in the engine, entry ACKed). A queue
 entry re-read while it runs here is ignored; a *different* entry for a running request
@@ -43,10 +43,10 @@ import structlog
 
 from blockq.client import ReplyReader
 from blockq.config import Settings
-from blockq.keys import GROUP_WORK, PAYLOAD_FIELD
-from blockq.output import ALREADY_FINAL, FENCED, WRITTEN
-from blockq.protocol import Request, ValidationError, decode_request, encode
-from blockq.streams import GroupConsumer, StreamEntry
+from blockq.wire.keys import GROUP_WORK, PAYLOAD_FIELD
+from blockq.wire.output import ALREADY_FINAL, FENCED, WRITTEN
+from blockq.wire.protocol import Request, ValidationError, decode_request, encode
+from blockq.wire.streams import GroupConsumer, StreamEntry
 from workers.engines.base import Engine, EngineStepOutput
 from workers.heartbeat import HeartbeatBuilder
 from workers.intake import WorkerOptions, bundle_room, engine_spec

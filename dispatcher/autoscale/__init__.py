@@ -1,7 +1,7 @@
 """Pre-scaling: a pure scaling policy (forecast, simulated futures, rules) that the
 dispatcher service and the simulation both run; actuators carry its decisions out."""
 
-from dispatcher.autoscale.forecast import ArrivalHistory, RateForecast
+from dispatcher.autoscale.arrival_forecast import ArrivalHistory, RateForecast
 from dispatcher.autoscale.futures import (
     DRAINING,
     LIVE,

@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from blockq.protocol import Request
-from dispatcher.autoscale.forecast import ArrivalHistory
+from blockq.wire.protocol import Request
+from dispatcher.autoscale.arrival_forecast import ArrivalHistory
 from dispatcher.autoscale.futures import LIVE, FleetSnapshot, forecast_fleet, p99
 from dispatcher.autoscale.rules import (
     DOWN,

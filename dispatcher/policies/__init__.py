@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dispatcher.cluster_view import ClusterView
-from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies.base import Decision, Policy, PolicyOptions
 from dispatcher.policies.load import LeastKv, Llumnix
 from dispatcher.policies.predictive import Block, BlockKvGuard, Oracle, PowerOfTwo
 from dispatcher.policies.prefix import PrefixAffinity
 from dispatcher.policies.simple import LeastRequests, RandomChoice, RoundRobin
+from dispatcher.what_if import DEFAULT_OBJECTIVE
 
 PolicyFactory = Callable[[ClusterView, random.Random, PolicyOptions], Policy]
 
@@ -27,7 +27,7 @@ PolicyFactory = Callable[[ClusterView, random.Random, PolicyOptions], Policy]
 class PolicySpec:
     """How to build a policy, and what its cluster view must keep for it: ``simulates``
     (a replica of every instance, rebuilt from beats) and ``lengths`` (the output lengths
-    those replicas simulate with, :data:`dispatcher.lengths.LENGTH_MODES`)."""
+    those replicas simulate with, :data:`blockq.lengths.LENGTH_MODES`)."""
 
     factory: PolicyFactory
     simulates: bool = False

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from blockq.protocol import Request
+from blockq.wire.protocol import Request
 from dispatcher.cluster_view import InstanceView
-from dispatcher.forecast import DEFAULT_OBJECTIVE
+from dispatcher.what_if import DEFAULT_OBJECTIVE
 
 
 @dataclass(frozen=True)

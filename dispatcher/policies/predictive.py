@@ -8,12 +8,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from blockq.protocol import Request
+from blockq.wire.protocol import Request
 from dispatcher.admission import ttft_budget_s
 from dispatcher.cluster_view import ClusterView, InstanceView
-from dispatcher.forecast import OBJECTIVES, Forecast, forecast, forecast_ttft
 from dispatcher.policies.base import Decision, PolicyOptions
 from dispatcher.replica import InstanceReplica
+from dispatcher.what_if import OBJECTIVES, Forecast, forecast, forecast_ttft
 
 # Long-prompt lanes (measured on the paper's trace at 0.9 x Llumnix's capacity, 6 seeds:
 # P99 TTFT 570 -> 545 ms, mean 80.3 -> 80.4 ms; see the README's "Placement levers").

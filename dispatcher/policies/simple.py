@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from blockq.protocol import Request
+from blockq.wire.protocol import Request
 from dispatcher.cluster_view import InstanceView
 from dispatcher.policies.base import Decision
 

@@ -14,7 +14,7 @@ from typing import Any
 from loadgen.plots import capacity_noise_plot
 from loadgen.report import capacity_search
 from loadgen.simulation.plan import Plan, Progress, reads_predictions
-from loadgen.simulation.report import capacity_table, mean_sd
+from loadgen.simulation.seed_tables import capacity_table, mean_sd
 
 OVERLOAD_KEYS = ("goodput", "infeasible", "answered_within_slo", "ttft_mean_ms", "ttft_p99_ms")
 

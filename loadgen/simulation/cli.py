@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.cli import add_bench_arguments, print_results
-from loadgen.metrics import KvSample, RequestRecord
 from loadgen.plots import run_key
 from loadgen.report import write_report
 from loadgen.simulation.autoscale_cli import add_autoscale_arguments, run_autoscale_command
@@ -28,7 +27,8 @@ from loadgen.simulation.calibrate import run_calibrate_command
 from loadgen.simulation.capacity import run_capacity
 from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.plan import Progress, build_plan
-from loadgen.simulation.report import mean_sd_table
+from loadgen.simulation.seed_tables import mean_sd_table
+from loadgen.summaries import KvSample, RequestRecord
 
 
 def _seeds(text: str) -> tuple[int, ...]:

@@ -23,13 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockq.beats import Heartbeat
-from blockq.protocol import FinalRecord, Request
+from blockq.wire.beats import Heartbeat
+from blockq.wire.protocol import FinalRecord, Request
 from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.core import DispatcherCore, Held, Placed
-from loadgen.metrics import KvSample
 from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.instance import SimulatedInstance
+from loadgen.summaries import KvSample
 from workers.engines.emulated import EmulatedEngineOptions
 from workers.intake import WorkerOptions
 from workers.refinement import RefinementSource

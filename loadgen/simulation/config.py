@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatcher.forecast import DEFAULT_OBJECTIVE, OBJECTIVES
 from dispatcher.policies import policy_spec
+from dispatcher.what_if import DEFAULT_OBJECTIVE, OBJECTIVES
 
 # One placement decision, ms (p50 of `blockq dispatch-bench --instances 16 --running 48
 # --waiting 20`, one core: see the README's decision-cost table). A policy not listed

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockq.protocol import Request
+from blockq.wire.protocol import Request
 from dispatcher.autoscale import LIVE, Autoscaler, ScalingDecision, drain_order
 from loadgen.simulation.cluster import _SCALE, ClusterSimulation
 from loadgen.simulation.config import SimulationConfig

@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from blockq.beats import Heartbeat
 from blockq.engine_model import StepResult
-from blockq.protocol import FinalRecord, Request
+from blockq.wire.beats import Heartbeat
+from blockq.wire.protocol import FinalRecord, Request
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 from workers.heartbeat import HeartbeatBuilder
 from workers.intake import WorkerOptions, bundle_room, engine_spec

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockq.engine_model import get_preset
-from blockq.progress import ProgressBar
-from dispatcher.forecast import DEFAULT_OBJECTIVE
 from dispatcher.policies import policy_spec
+from dispatcher.what_if import DEFAULT_OBJECTIVE
+from loadgen.progress import ProgressBar
 from loadgen.simulation.config import SimulationConfig
-from loadgen.simulation.runner import SimulatedRun, simulate_run
+from loadgen.simulation.single_run import SimulatedRun, simulate_run
 from loadgen.simulation.workload import (
     AnnotatedSample,
     annotate_sample,
@@ -25,7 +25,7 @@ from loadgen.simulation.workload import (
 
 class Progress:
     """A bar over every request of every run on stderr (periodic lines when stderr is not a
-    terminal: :mod:`blockq.progress`), and the events counted."""
+    terminal: :mod:`loadgen.progress`), and the events counted."""
 
     def __init__(self, total_requests: int, enabled: bool) -> None:
         self.bar = ProgressBar(total_requests, unit="req", enabled=enabled)
@@ -124,7 +124,11 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 def _refined(samples: dict[int, AnnotatedSample], refine_model: str, every_tokens: int
              ) -> dict[int, AnnotatedSample]:
-    from loadgen.simulation.refinement import TRUTH, refine_sample, refine_sample_with_truth
+    from loadgen.simulation.precomputed_refinements import (
+        TRUTH,
+        refine_sample,
+        refine_sample_with_truth,
+    )
     from predictor_service.models.refine import RefineModel
 
     if refine_model == TRUTH:

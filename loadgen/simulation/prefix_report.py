@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockq.prefix import PREFIX_BLOCK_TOKENS, continued_block_hashes, num_filled_blocks
-from blockq.protocol import Request
+from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS, continued_block_hashes, num_filled_blocks
+from blockq.wire.protocol import Request
 from dispatcher.core import CoreStats
 from dispatcher.prefix_index import cached_tokens
 from dispatcher.replica import prompt_tokens_of

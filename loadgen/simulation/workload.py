@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 
-from blockq.keys import Keys
-from blockq.protocol import Request
-from blockq.tokenizer import TokenCounter, get_token_counter
+from blockq.text.tokenizer import TokenCounter, get_token_counter
+from blockq.wire.keys import Keys
+from blockq.wire.protocol import Request
 from loadgen.arrivals import DEFAULT_THINK_TIME_S, build_schedule
 from loadgen.replay import ReplayOptions, max_tokens_for
 from loadgen.traces import DEFAULT_MAX_MODEL_LEN, TraceRequest, group_sessions, load_trace
@@ -41,7 +41,7 @@ class AnnotatedSample:
     requests: tuple[Request | None, ...]
     rejected: dict[int, str]
     seed: int
-    # Remaining-length refinements at each checkpoint (loadgen.simulation.refinement), or None.
+    # Remaining-length refinements at each checkpoint (loadgen.simulation.precomputed_refinements), or None.
     refinements: RefinementTable | None = None
     think_time_s: float = DEFAULT_THINK_TIME_S
 

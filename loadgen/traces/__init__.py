@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from blockq.tokenizer import TokenCounter
+from blockq.text.tokenizer import TokenCounter
 from loadgen.traces._io import open_text, read_csv_header
 from loadgen.traces.azure import read_azure
 from loadgen.traces.base import (
@@ -170,7 +170,7 @@ def load_trace(
     ``"format:PATH"`` with format one of sharegpt, mooncake, azure, vidur, burstgpt.
     ``seed`` fixes the synthetic workload and the synthetic token ids of token-only traces.
     ``token_counter`` / ``tokenizer`` count ShareGPT texts (and, when given, synthetic
-    prompts); default: :func:`blockq.tokenizer.get_token_counter`. ``max_model_len``
+    prompts); default: :func:`blockq.text.tokenizer.get_token_counter`. ``max_model_len``
     (tokens, None: unlimited) bounds prompt + output: longer prompts are skipped, longer
     outputs clipped (see :mod:`loadgen.traces.base`). Arrival offsets, when the trace has
     times, are seconds since the first returned request. ``multi_turn`` (ShareGPT only)

@@ -8,14 +8,14 @@ Two modes:
   from 0), one request per human->gpt pair. Turn k's prompt is the conversation so far,
   every earlier human and gpt message and then the new human message, rendered as the
   gateway's ``plain`` chat template does (``user: ...\\nassistant: ...\\nuser: <new>\\n
-  assistant:``, :func:`blockq.gateway.chat_template.render_plain`), so turn k's prompt
+  assistant:``, :func:`blockq.frontdoors.gateway.chat_template.render_plain`), so turn k's prompt
   starts with turn k-1's prompt and its answer: the prefix a real chat client resends.
   When a turn is skipped (too long for ``max_model_len``, or malformed) the rest of its
   session is dropped and counted
   (:attr:`~loadgen.traces.base.TraceStats.num_dropped_session_turns`).
 
-Parsing, gzip and truncation handling are :mod:`blockq.sharegpt`'s. Token counts come
-from the project's counter (:func:`blockq.tokenizer.get_token_counter`) or the one passed
+Parsing, gzip and truncation handling are :mod:`blockq.text.sharegpt_reader`'s. Token counts come
+from the project's counter (:func:`blockq.text.tokenizer.get_token_counter`) or the one passed
 in, so they agree with the predictor's; ``true_output_tokens`` is the answer's count and
 ``output_text`` the answer. Pairs with an empty prompt or answer are malformed; lengths
 follow the policy in :mod:`loadgen.traces.base`. The trace has no times:
@@ -29,8 +29,8 @@ from itertools import islice
 from pathlib import Path
 from typing import TypeVar
 
-from blockq.sharegpt import SharegptPair, iter_pairs, iter_sessions, render_turn_prompt
-from blockq.tokenizer import TokenCounter, get_token_counter
+from blockq.text.sharegpt_reader import SharegptPair, iter_pairs, iter_sessions, render_turn_prompt
+from blockq.text.tokenizer import TokenCounter, get_token_counter
 from loadgen.traces.base import DEFAULT_MAX_MODEL_LEN, LengthPolicy, LoadedTrace, TraceRequest
 
 # Texts are counted in batches: tokenizers are much faster on a batch than one by one.
@@ -58,7 +58,7 @@ def read_sharegpt(
     """Read a ShareGPT file; stop after ``limit`` kept requests (None: read all).
 
     ``token_counter`` (anything with ``count(texts) -> list[int]``) wins over
-    ``tokenizer`` (a name for :func:`blockq.tokenizer.get_token_counter`; None: the
+    ``tokenizer`` (a name for :func:`blockq.text.tokenizer.get_token_counter`; None: the
     project default). ``trace_id`` is the conversation id. ``multi_turn``: one request
     per turn, grouped in sessions (see the module docstring); a session the limit cuts
     keeps its first turns.

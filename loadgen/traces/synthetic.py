@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blockq.tokenizer import TokenCounter
+from blockq.text.tokenizer import TokenCounter
 from loadgen.traces.base import DEFAULT_MAX_MODEL_LEN, LengthPolicy, LoadedTrace, TraceRequest
 
 DEFAULT_NUM_REQUESTS = 1000

@@ -2,7 +2,7 @@
 
 A :class:`LengthPredictor` maps a batch of :class:`PredictionInput` to one
 :class:`LengthPrediction` each: a median output length and a 10th/90th percentile
-spread, all in tokens of the project tokenizer (:mod:`blockq.tokenizer`). Every backend
+spread, all in tokens of the project tokenizer (:mod:`blockq.text.tokenizer`). Every backend
 passes its raw estimates through :func:`clip_predictions`, so all predictions satisfy
 
     1 <= p10_tokens <= predicted_output_tokens <= p90_tokens <= min(training max, max_tokens)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from dispatcher.lengths import LengthBelief, conditional_quantile_tokens
+from blockq.lengths import LengthBelief, conditional_quantile_tokens
 from predictor_service.features import FEATURE_NAMES as PROMPT_FEATURE_NAMES
 from predictor_service.features import extract_features
 from predictor_service.text_score import TextScoreModel
@@ -133,7 +133,7 @@ def tail_text(partial_text: str) -> str:
 
 def _first_guess_features(one: RefineInput) -> list[float]:
     """ln quantiles, and what the dispatcher simulates with: the belief's conditional
-    median of the remaining tokens (:mod:`dispatcher.lengths`) and how far ``g`` is
+    median of the remaining tokens (:mod:`blockq.lengths`) and how far ``g`` is
     through it (z-score; -8 before the first token)."""
     p10 = max(1, min(one.first_guess_p10_tokens, one.first_guess_p50_tokens))
     p50 = max(1, one.first_guess_p50_tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from blockq.beats import RequestProgress
+from blockq.wire.beats import RequestProgress
 
 
 class TokenEvent(NamedTuple):
@@ -37,7 +37,7 @@ class EngineStepOutput:
     # however many vLLM ran for the vLLM adapter.
     samples: tuple[tuple[int, int, int, float, int], ...] = ()
     lag_ms: float = 0.0
-    # With prefix caching: block hashes (blockq.prefix) of the output blocks that the
+    # With prefix caching: block hashes (blockq.text.block_hashes) of the output blocks that the
     # requests finished in this step left cached; empty where the engine cannot name them.
     cached_block_hashes: tuple[int, ...] = ()
 

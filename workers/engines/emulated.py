@@ -15,12 +15,12 @@ end: an overloaded host shows up there instead of silently stretching the result
 
 With prefix caching on (``config_overrides`` with ``enable_prefix_caching``), requests
 are looked up in the engine model's prefix cache by the block hashes they carry
-(:mod:`blockq.prefix`), and ``engine_stats`` reports the scheduler's counts of tokens
+(:mod:`blockq.text.block_hashes`), and ``engine_stats`` reports the scheduler's counts of tokens
 looked up and found cached under vLLM's names. A request that carries its recorded answer
 has its hashes continued over the answer's tokens, so that the blocks its output fills are
 cached as vLLM caches them; each step reports the output blocks that finished requests left
 cached (``cached_block_hashes``), which the beats pass on to the dispatcher. The hashes are of
-:data:`~blockq.prefix.PREFIX_BLOCK_TOKENS`-token blocks: an engine with another block size
+:data:`~blockq.text.block_hashes.PREFIX_BLOCK_TOKENS`-token blocks: an engine with another block size
 cannot use them (it logs so once and caches nothing).
 """
 
@@ -37,10 +37,10 @@ from typing import Any
 
 import structlog
 
-from blockq.beats import RequestProgress
 from blockq.engine_model import EngineRequest, EngineScheduler, StepResult, get_preset
-from blockq.prefix import PREFIX_BLOCK_TOKENS, continued_block_hashes, num_filled_blocks
-from blockq.tokenizer import AnswerTokenizer
+from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS, continued_block_hashes, num_filled_blocks
+from blockq.text.tokenizer import AnswerTokenizer
+from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 
 log = structlog.get_logger(__name__)

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockq.beats import RequestProgress
+from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 
 MAX_PENDING_SAMPLES = 256

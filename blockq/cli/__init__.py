@@ -1,0 +1,5 @@
+"""The ``blockq`` command line: one entry point, every component a subcommand."""
+
+from blockq.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,5 @@
+import sys
+
+from blockq.cli.main import main
+
+sys.exit(main())

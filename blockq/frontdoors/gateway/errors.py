@@ -1,0 +1,29 @@
+"""The gateway's error type and its rendering in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from aiohttp import web
+
+from blockq.frontdoors.gateway.openai_responses import error_body
+
+
+class GatewayError(Exception):
+    """An HTTP error to answer with: status, OpenAI ``type``/``param``/``code``, headers."""
+
+    def __init__(self, status: int, message: str, error_type: str, *, param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def to_response(self) -> web.Response:
+        body = error_body(self.message, self.error_type, self.param, self.code)
+        return web.Response(status=self.status, text=json.dumps(body), content_type="application/json",
+                            headers=self.headers)

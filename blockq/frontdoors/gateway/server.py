@@ -1,0 +1,287 @@
+"""The aiohttp application: OpenAI-compatible routes in front of the blockq pipeline.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` for
+server-sent events ending ``data: [DONE]``), ``GET /v1/models``, ``GET /healthz``,
+``GET /metrics``. Errors use OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}``: 400 invalid input (``param`` names the field), 401 missing or wrong API key,
+404 unknown model or route, 413 body too large, 429 overloaded (``Retry-After``), 504
+timeout, 500 anything else (logged with the request id; no traceback is sent).
+
+Request headers: ``Authorization: Bearer KEY`` (when keys are configured; the key's
+tenant is the request's tenant) and ``x-blockq-timeout-s`` (seconds, at most the server's
+``request_timeout_s``). Response headers: ``x-request-id`` and, for non-streaming calls,
+``x-blockq-instance``, ``x-blockq-predicted-output-tokens``, ``x-blockq-predicted-ttft-ms``,
+``x-blockq-predicted-e2e-ms``, ``x-blockq-ttft-ms``, ``x-blockq-e2e-ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from blockq.client import AsyncClient, Overloaded
+from blockq.config import Settings
+from blockq.frontdoors.gateway.chat_template import load_chat_template
+from blockq.frontdoors.gateway.config import GatewayConfig, is_loopback_host
+from blockq.frontdoors.gateway.errors import GatewayError
+from blockq.frontdoors.gateway.generation import GenerationCall
+from blockq.frontdoors.gateway.metrics import GatewayMetrics
+from blockq.frontdoors.gateway.openai_requests import (
+    check_json_depth,
+    parse_chat_request,
+    parse_completion_request,
+)
+from blockq.runtime.metrics_server import metrics_response
+from blockq.wire.beats import decode_heartbeat
+from blockq.wire.protocol import ValidationError
+
+log = structlog.get_logger(__name__)
+
+MODELS_REFRESH_S = 5.0
+CLIENT_CLOSED_CODE = "499"  # nginx's code for "client closed the request"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Gateway:
+    """The state behind the routes: config, client, metrics, served model names."""
+
+    def __init__(self, config: GatewayConfig, settings: Settings, client: AsyncClient | None = None) -> None:
+        self.config = config
+        self.settings = settings
+        self.client = client
+        self.render_chat = load_chat_template(config.chat_template)
+        self.defaults = replace(config.defaults, max_max_tokens=settings.limits.max_max_tokens)
+        self.metrics = GatewayMetrics()
+        self.background: set[asyncio.Task[Any]] = set()
+        self.num_in_flight = 0
+        self.metrics.in_flight.set_function(lambda: self.num_in_flight)
+        self.started_at_s = int(time.time())
+        self._instance_models: tuple[str, ...] = ()
+        self._models_read_at_s = -math.inf
+        self._models_reading: asyncio.Future[None] | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def on_startup(self, app: web.Application) -> None:
+        if self.client is None:
+            # Every streaming request holds a connection while it blocks on XREAD.
+            self.client = AsyncClient(settings=self.settings, max_connections=self.config.max_in_flight + 32)
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=5.0)
+        if self.client is not None:
+            await self.client.close()
+
+    def require_client(self) -> AsyncClient:
+        if self.client is None:
+            raise RuntimeError("gateway used before its application started")
+        return self.client
+
+    # --- middleware --------------------------------------------------------------------------
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """OpenAI-shaped errors for every failure, and request metrics."""
+        started_s = time.perf_counter()
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unmatched"
+        code = "500"
+        try:
+            response = await handler(request)
+            code = str(response.status)
+            return response
+        except asyncio.CancelledError:
+            code = CLIENT_CLOSED_CODE
+            raise
+        except Exception as exc:
+            response = self._error_response(request, exc)
+            code = str(response.status)
+            return response
+        finally:
+            self.metrics.requests.inc(endpoint=endpoint, code=code)
+            self.metrics.duration.observe(time.perf_counter() - started_s, endpoint=endpoint)
+
+    def _error_response(self, request: web.Request, exc: Exception) -> web.Response:
+        if isinstance(exc, GatewayError):
+            return exc.to_response()
+        if isinstance(exc, ValidationError):
+            return GatewayError(400, str(exc), "invalid_request_error", param=exc.field).to_response()
+        if isinstance(exc, Overloaded):
+            retry_after_s = max(1, math.ceil(exc.retry_after_s))
+            return GatewayError(429, "blockq is overloaded; retry later", "rate_limit_error", code="overloaded",
+                                headers={"Retry-After": str(retry_after_s)}).to_response()
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):
+            return GatewayError(413, f"request body larger than {self.config.max_body_bytes} bytes",
+                                "invalid_request_error", param="body").to_response()
+        if isinstance(exc, web.HTTPException):
+            return GatewayError(exc.status, exc.reason, "invalid_request_error").to_response()
+        log.exception("request_failed", path=request.path)
+        return GatewayError(500, "internal server error", "server_error").to_response()
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def tenant_of(self, request: web.Request) -> str:
+        """The tenant of the request's bearer token ("default" when no keys are configured)."""
+        if not self.config.auth_required:
+            return "default"
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise GatewayError(401, "missing API key: send 'Authorization: Bearer KEY'", "invalid_request_error",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        tenant = None
+        for key, key_tenant in self.config.api_key_to_tenant.items():
+            if hmac.compare_digest(key.encode(), token.encode()):  # constant time per key
+                tenant = key_tenant
+        if tenant is None:
+            raise GatewayError(401, "incorrect API key", "invalid_request_error", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+        return tenant
+
+    async def read_json(self, request: web.Request) -> Any:
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(self.config.max_body_bytes, request.content_length)
+        raw = await request.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValidationError("body", "must be UTF-8 encoded JSON") from None
+        check_json_depth(text, self.config.max_json_depth)
+        try:
+            return json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValidationError("body", f"invalid JSON ({getattr(exc, 'msg', 'too deep')})") from None
+
+    def timeout_of(self, request: web.Request) -> float:
+        raw = request.headers.get("x-blockq-timeout-s")
+        if raw is None:
+            return self.config.request_timeout_s
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= self.config.request_timeout_s:
+            raise ValidationError("x-blockq-timeout-s",
+                                  f"must be a number of seconds in (0, {self.config.request_timeout_s:g}]")
+        return value
+
+    async def model_names(self, fresh_within_s: float = MODELS_REFRESH_S) -> tuple[str, ...]:
+        """Configured names plus the models live instances report (read again when the
+        last read is older than ``fresh_within_s``). Concurrent callers share one read:
+        each waits for it rather than answering from the list it replaces."""
+        if time.monotonic() - self._models_read_at_s > fresh_within_s and self.client is not None:
+            if self._models_reading is None or self._models_reading.done():
+                self._models_reading = asyncio.ensure_future(self._read_instance_models())
+            await asyncio.shield(self._models_reading)
+        names = list(self.config.model_names)
+        names += [m for m in self._instance_models if m and m not in names]
+        return tuple(names)
+
+    async def _read_instance_models(self) -> None:
+        assert self.client is not None
+        try:
+            beats = await self.client.redis.hvals(self.settings.keys.instances)
+            models = set()
+            for payload in beats:
+                try:
+                    models.add(decode_heartbeat(payload).model)
+                except ValidationError:
+                    continue
+            self._instance_models = tuple(sorted(models))
+        except Exception:
+            log.warning("models_refresh_failed", exc_info=True)
+        self._models_read_at_s = time.monotonic()
+
+    # --- routes ------------------------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        try:
+            await asyncio.wait_for(self.require_client().redis.ping(), timeout=1.0)
+        except Exception:
+            return web.json_response({"status": "unavailable", "redis": False}, status=503)
+        return web.json_response({"status": "ok", "redis": True, "in_flight": self.num_in_flight})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return metrics_response(self.metrics.registry, request)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.tenant_of(request)
+        data = [{"id": name, "object": "model", "created": self.started_at_s, "owned_by": "blockq",
+                 "root": name, "parent": None} for name in await self.model_names()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/chat/completions")
+
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        tenant = self.tenant_of(request)
+        timeout_s = self.timeout_of(request)
+        body = await self.read_json(request)
+        defaults = self.defaults
+        if endpoint == "/v1/completions":
+            plan = parse_completion_request(body, defaults)
+        else:
+            plan = parse_chat_request(body, self.render_chat, defaults)
+        # A name not seen yet is looked up again (at most once a second): an instance that
+        # has just joined serves its model before the next periodic refresh.
+        if plan.model not in await self.model_names() and plan.model not in await self.model_names(1.0):
+            raise GatewayError(404, f"the model {plan.model!r} does not exist", "invalid_request_error",
+                               param="model", code="model_not_found")
+        if self.num_in_flight >= self.config.max_in_flight:
+            raise GatewayError(429, f"more than {self.config.max_in_flight} requests in flight; retry later",
+                               "rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"})
+        call = GenerationCall(self.require_client(), self.metrics, self.background, plan, tenant, timeout_s, endpoint)
+        self.num_in_flight += 1
+        try:
+            return await call.respond(request)
+        finally:
+            self.num_in_flight -= 1
+
+
+def create_app(config: GatewayConfig, settings: Settings, client: AsyncClient | None = None) -> web.Application:
+    """The aiohttp application; ``client`` defaults to an AsyncClient on ``settings``."""
+    gateway = Gateway(config, settings, client)
+    app = web.Application(middlewares=[gateway.middleware], client_max_size=config.max_body_bytes)
+    app.on_startup.append(gateway.on_startup)
+    app.on_cleanup.append(gateway.on_cleanup)
+    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
+    app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/healthz", gateway.healthz)
+    app.router.add_get("/metrics", gateway.metrics_text)
+    return app
+
+
+async def serve(config: GatewayConfig, settings: Settings, stop: asyncio.Event) -> None:
+    """Listen on ``config.host:config.port`` until ``stop`` is set; in-flight calls get
+    ``config.shutdown_timeout_s`` to finish, then are cancelled (and so are their requests)."""
+    runner = web.AppRunner(create_app(config, settings), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.shutdown_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    await site.start()
+    if not config.auth_required and not is_loopback_host(config.host):
+        # Allowed only by an explicit --allow-unauthenticated (GatewayConfig refuses otherwise).
+        log.warning("gateway_unauthenticated", host=config.host, reason="allow_unauthenticated is set")
+    log.info("gateway_listening", url=f"http://{config.host}:{config.port}", auth=config.auth_required,
+             models=list(config.model_names))
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        log.info("gateway_stopped")
+

@@ -1,7 +1,0 @@
-"""``python -m blockq.gateway --host 127.0.0.1 --port 8000``."""
-
-import sys
-
-from blockq.gateway.cli import main
-
-sys.exit(main())

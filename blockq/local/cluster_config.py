@@ -1,0 +1,330 @@
+"""What ``blockq up`` starts: a frozen, validated description of a local cluster, read
+from a TOML file (``--config``) and overridden by command-line flags.
+
+Example ``cluster.toml``::
+
+    [cluster]
+    instances = 12
+    instances_per_process = 6
+    policy = "block"
+    preset = "llama2-7b-a30"
+    time_scale = 1.0
+    predictor_backend = "heuristic"   # or "fast" with predictor_model = "models/fast"
+    gateway = false
+    gateway_allow_unauthenticated = false   # needed to bind a non-loopback host without API keys
+    redis_maxmemory = "1gb"   # embedded Redis only; noeviction: writes fail when it is full
+
+With ``engine = "vllm"`` the instances run vLLM on ``model`` (a path or model name),
+one instance per worker process; ``vllm_block_size``, ``vllm_kv_cache_bytes``,
+``vllm_gpu_memory_utilization``, ``vllm_max_model_len`` and ``vllm_max_num_seqs`` pass
+through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or compilation,
+for a fast start-up),
+and ``preset``, ``time_scale`` and ``noise`` (the emulated engine's) are not used.
+
+``prefix_caching = true`` turns on every instance's prefix cache (``workers
+--prefix-caching``): the emulated engines reuse cached prompt blocks and count hits; vLLM
+gets ``enable_prefix_caching=True`` (false leaves vLLM's default, which is on in V1).
+
+With a ``[cluster.autoscale]`` table (or ``blockq up --autoscale``) the dispatcher leader
+sizes the fleet (:class:`blockq.config.AutoscaleOptions`: ``scaler``, ``min_instances``,
+``max_instances``, ``startup_s``, ``cycle_s``, ``cooldown_s``, ...) and the supervisor
+follows it: every instance is then its own worker process, and ``instances`` (default
+``min_instances``) is the size the fleet starts at::
+
+    [cluster.autoscale]
+    scaler = "predictive"
+    min_instances = 1
+    max_instances = 8
+
+Every process serves Prometheus metrics (``deploy/METRICS.md``): the dispatcher on
+``metrics_base_port`` (default 9400), the predictor on the next port, worker process
+``workers-K`` on ``metrics_base_port + 2 + K``, all bound to ``metrics_host`` (default
+127.0.0.1); the gateway on its own HTTP port. ``metrics_base_port = 0`` turns them off.
+The state file records each URL (``blockq status --json``: ``metrics_urls``).
+
+With ``refine_model`` (a ``blockq predictor refine-train`` directory) the predictor also
+serves its HTTP API on ``predictor_http_port`` (default 8100) with ``POST /refine``, and
+every worker asks it for remaining-length refinements of its running requests every
+``refine_every_tokens`` (64) generated tokens; the beats then carry them to the dispatcher.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, METRICS_OFF, AutoscaleOptions, ConfigError
+from blockq.local.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
+
+ENGINES = ("emulated", "vllm")
+DEFAULT_METRICS_BASE_PORT = 9400
+# Port offsets from metrics_base_port: the services first, then one per worker process.
+METRICS_PORT_OFFSETS = {"dispatcher": 0, "predictor": 1}
+WORKER_METRICS_PORT_OFFSET = 2
+WORKER_CHILD_PREFIX = "workers-"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    instances: int = 2
+    instances_per_process: int = 6
+    instance_prefix: str = "inst"
+    policy: str = "round_robin"
+    objective: str | None = None
+    preset: str = "llama2-7b-a30"
+    time_scale: float = 1.0
+    noise: float = 0.05
+    seed: int = 0
+    predictor_backend: str = "heuristic"
+    predictor_model: str | None = None
+    gateway: bool = False
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    gateway_allow_unauthenticated: bool = False
+    batch_worker: bool = False
+    redis_maxmemory: str = DEFAULT_MAXMEMORY
+    engine: str = "emulated"
+    model: str | None = None
+    vllm_block_size: int | None = None
+    vllm_kv_cache_bytes: int | None = None
+    vllm_gpu_memory_utilization: float | None = None
+    vllm_max_model_len: int | None = None
+    vllm_max_num_seqs: int | None = None
+    vllm_enforce_eager: bool = False
+    prefix_caching: bool = False
+    autoscale: AutoscaleOptions | None = None
+    metrics_base_port: int = DEFAULT_METRICS_BASE_PORT
+    metrics_host: str = "127.0.0.1"
+    refine_model: str | None = None
+    predictor_http_port: int = 8100
+    refine_every_tokens: int = DEFAULT_REFINE_EVERY_TOKENS
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.instances <= 1024:
+            raise ConfigError(f"instances: must be between 1 and 1024 (got {self.instances})")
+        if not 1 <= self.instances_per_process <= 256:
+            raise ConfigError(f"instances_per_process: must be between 1 and 256 (got {self.instances_per_process})")
+        if not 0 < self.time_scale <= 1000:
+            raise ConfigError(f"time_scale: must be in (0, 1000] (got {self.time_scale})")
+        if not 0 <= self.noise <= 1:
+            raise ConfigError(f"noise: must be in [0, 1] (got {self.noise})")
+        if not 1 <= self.gateway_port <= 65535:
+            raise ConfigError(f"gateway_port: must be a TCP port (got {self.gateway_port})")
+        check_maxmemory(self.redis_maxmemory)
+        self._check_engine()
+        self._check_metrics_ports()
+        self._check_refinement()
+        bounds = self.autoscale
+        if bounds is not None and not bounds.min_instances <= self.instances <= bounds.max_instances:
+            raise ConfigError(f"instances: must be between min_instances ({bounds.min_instances}) and "
+                              f"max_instances ({bounds.max_instances}) under autoscale (got {self.instances})")
+
+    def _check_engine(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine: must be one of {', '.join(ENGINES)} (got {self.engine!r})")
+        if self.engine == "vllm" and not self.model:
+            raise ConfigError("model: required with engine vllm (a model path or name)")
+        if not isinstance(self.prefix_caching, bool):
+            raise ConfigError(f"prefix_caching: must be true or false (got {self.prefix_caching!r})")
+        for name in ("vllm_block_size", "vllm_kv_cache_bytes", "vllm_max_model_len", "vllm_max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}: must be a positive integer (got {value!r})")
+        utilization = self.vllm_gpu_memory_utilization
+        if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, int | float)
+                                        or not 0 < utilization <= 1):
+            raise ConfigError(f"vllm_gpu_memory_utilization: must be in (0, 1] (got {utilization!r})")
+
+    def _check_metrics_ports(self) -> None:
+        base = self.metrics_base_port
+        if isinstance(base, bool) or not isinstance(base, int) or base < 0:
+            raise ConfigError(f"metrics_base_port: must be a TCP port, or 0 for no metrics (got {base!r})")
+        if base == 0:
+            return
+        last = self._last_metrics_port()
+        if last > 65535:
+            num_workers = last - base - WORKER_METRICS_PORT_OFFSET + 1
+            raise ConfigError(f"metrics_base_port: {base} leaves no room for {num_workers} worker processes "
+                              f"(their ports would reach {last})")
+        if self.gateway and base <= self.gateway_port <= last:
+            raise ConfigError(f"metrics_base_port: the metrics ports {base}-{last} include gateway_port "
+                              f"{self.gateway_port}")
+        if not self.metrics_host or any(c.isspace() for c in self.metrics_host):
+            raise ConfigError(f"metrics_host: must be a host name or address (got {self.metrics_host!r})")
+
+    def _check_refinement(self) -> None:
+        if self.refine_every_tokens < 1:
+            raise ConfigError(f"refine_every_tokens: must be >= 1 (got {self.refine_every_tokens})")
+        port = self.predictor_http_port
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"predictor_http_port: must be a TCP port (got {port})")
+        if self.refine_model is None:
+            return
+        base = self.metrics_base_port
+        if (self.gateway and port == self.gateway_port) or (base and base <= port <= self._last_metrics_port()):
+            raise ConfigError(f"predictor_http_port: {port} is taken by the gateway or a metrics port")
+
+    def _last_metrics_port(self) -> int:
+        """The highest port a worker process's metrics may take (under autoscale, the fleet's maximum)."""
+        max_workers = self.autoscale.max_instances if self.autoscale is not None else self.num_worker_processes
+        return self.metrics_base_port + WORKER_METRICS_PORT_OFFSET + max_workers - 1
+
+    @property
+    def refine_url(self) -> str | None:
+        """Where workers ask for refinements (None: no refinement model)."""
+        return f"http://127.0.0.1:{self.predictor_http_port}" if self.refine_model else None
+
+    def metrics_port(self, child_name: str) -> int | None:
+        """The port child ``child_name`` serves ``/metrics`` on; None when metrics are off
+        or the child has no port of its own (the gateway serves them on its HTTP port, the
+        batch worker has none)."""
+        if not self.metrics_base_port:
+            return None
+        if child_name in METRICS_PORT_OFFSETS:
+            return self.metrics_base_port + METRICS_PORT_OFFSETS[child_name]
+        index = child_name.removeprefix(WORKER_CHILD_PREFIX)
+        if child_name.startswith(WORKER_CHILD_PREFIX) and index.isdigit():
+            return self.metrics_base_port + WORKER_METRICS_PORT_OFFSET + int(index)
+        return None
+
+    def metrics_url(self, child_name: str) -> str | None:
+        """Where child ``child_name``'s metrics are scraped (None: it serves none)."""
+        if child_name == "gateway":
+            return f"http://{_url_host(self.gateway_host)}:{self.gateway_port}/metrics" if self.gateway else None
+        port = self.metrics_port(child_name)
+        return f"http://{_url_host(self.metrics_host)}:{port}/metrics" if port is not None else None
+
+    def _metrics_argv(self, child_name: str) -> list[str]:
+        # "off" rather than no flag: a BLOCKQ_METRICS_PORT in the supervisor's environment
+        # must not hand every child the same port.
+        port = self.metrics_port(child_name)
+        return ["--metrics-port", str(port) if port is not None else METRICS_OFF, "--metrics-host", self.metrics_host]
+
+    @property
+    def instances_per_worker_process(self) -> int:
+        """Instances each worker process serves: ``instances_per_process``, but one with
+        vLLM, whose engine owns its own engine-core process and GPU memory (one engine
+        per process keeps a crash or an out-of-memory error to one instance), and one
+        under autoscale (the supervisor starts and drains instances one by one)."""
+        return 1 if self.engine == "vllm" or self.autoscale is not None else self.instances_per_process
+
+    @property
+    def num_worker_processes(self) -> int:
+        return math.ceil(self.instances / self.instances_per_worker_process)
+
+    def with_overrides(self, **overrides: Any) -> ClusterConfig:
+        """A copy with every override that is not None applied."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def from_toml(cls, path: Path) -> ClusterConfig:
+        section = dict(cls.toml_section(path))
+        if "autoscale" in section:
+            table = section["autoscale"]
+            known = {f.name for f in fields(AutoscaleOptions)}
+            unknown = sorted(set(table) - known) if isinstance(table, dict) else ["(not a table)"]
+            if unknown:
+                raise ConfigError(f"config: unknown keys in [cluster.autoscale]: {', '.join(unknown)}")
+            section["autoscale"] = AutoscaleOptions(**table)
+        return cls(**section)
+
+    @classmethod
+    def toml_section(cls, path: Path) -> dict[str, Any]:
+        """The ``[cluster]`` table of ``path`` as written (unknown keys refused)."""
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config: file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config: {path}: {exc}") from None
+        section = data.get("cluster", {})
+        unknown = sorted(set(section) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"config: unknown keys in [cluster]: {', '.join(unknown)}")
+        return section
+
+    def child_argvs(self, *, workers: bool = True) -> list[tuple[str, tuple[str, ...]]]:
+        """(name, python -m argv) of every service to start (``workers`` False: all but the
+        workers, which the supervisor starts itself under autoscale: :meth:`worker_child`)."""
+        children: list[tuple[str, tuple[str, ...]]] = []
+        predictor = ["predictor_service", "--backend", self.predictor_backend]
+        if self.predictor_model:
+            predictor += ["--model-dir", self.predictor_model]
+        if self.refine_model:
+            predictor += ["--http-port", str(self.predictor_http_port), "--refine-model", self.refine_model]
+        children.append(("predictor", (*predictor, *self._metrics_argv("predictor"))))
+        dispatcher = ["dispatcher", "--policy", self.policy, "--seed", str(self.seed)]
+        if self.objective:
+            dispatcher += ["--objective", self.objective]
+        children.append(("dispatcher", (*dispatcher, *self._autoscale_argv(), *self._metrics_argv("dispatcher"))))
+        per_process = self.instances_per_worker_process
+        for process_index in range(self.num_worker_processes if workers else 0):
+            first = process_index * per_process
+            children.append(self.worker_child(process_index, first, min(per_process, self.instances - first)))
+        if self.gateway:
+            gateway = ["blockq.frontdoors.gateway", "--host", self.gateway_host, "--port", str(self.gateway_port)]
+            if self.gateway_allow_unauthenticated:
+                gateway.append("--allow-unauthenticated")
+            children.append(("gateway", tuple(gateway)))
+        if self.batch_worker:
+            children.append(("batch-worker", ("blockq.frontdoors.batch", "worker")))
+        return children
+
+    def worker_child(self, process_index: int, first_index: int, count: int) -> tuple[str, tuple[str, ...]]:
+        """(name, argv) of the worker process ``workers-{process_index}`` serving
+        instances ``first_index`` .. ``first_index + count - 1``."""
+        name = f"{WORKER_CHILD_PREFIX}{process_index}"
+        return (name, (
+            "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
+            "--first-index", str(first_index), *self._engine_argv(), "--seed", str(self.seed),
+            *self._refine_argv(), *self._metrics_argv(name)))
+
+    def _refine_argv(self) -> list[str]:
+        if self.refine_url is None:
+            return []
+        return ["--refine-url", self.refine_url, "--refine-every-tokens", str(self.refine_every_tokens)]
+
+    def instance_id(self, index: int) -> str:
+        """The id of instance ``index`` (as ``python -m workers --instances`` names it)."""
+        return f"{self.instance_prefix}-{index}"
+
+    def _autoscale_argv(self) -> list[str]:
+        """The dispatcher options that turn autoscaling on (none without it)."""
+        options = self.autoscale
+        if options is None:
+            return []
+        argv = ["--autoscale", options.scaler, "--min-instances", str(options.min_instances),
+                "--max-instances", str(options.max_instances), "--startup-s", str(options.startup_s),
+                "--cycle-s", str(options.cycle_s), "--cooldown-s", str(options.cooldown_s),
+                "--reversal-hold-s", str(options.reversal_hold_s),
+                "--max-step-fraction", str(options.max_step_fraction),
+                "--scale-command-timeout-s", str(options.scale_command_timeout_s)]
+        if options.scale_command:
+            argv.append(f"--scale-command={options.scale_command}")  # one argument, even if it starts with -
+        return argv
+
+    def _engine_argv(self) -> list[str]:
+        """The worker options that choose and configure its engine."""
+        prefix = ["--prefix-caching"] if self.prefix_caching else []
+        if self.engine == "emulated":
+            return ["--preset", self.preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise), *prefix]
+        argv = ["--engine", "vllm", "--model", str(self.model), *prefix]
+        for option, value in (("--block-size", self.vllm_block_size), ("--kv-cache-bytes", self.vllm_kv_cache_bytes),
+                              ("--gpu-memory-utilization", self.vllm_gpu_memory_utilization),
+                              ("--max-model-len", self.vllm_max_model_len),
+                              ("--max-num-seqs", self.vllm_max_num_seqs)):
+            if value is not None:
+                argv += [option, str(value)]
+        return argv + (["--enforce-eager"] if self.vllm_enforce_eager else [])
+
+
+def _url_host(host: str) -> str:
+    """``host`` as a URL names it: a wildcard bind is reached on loopback, IPv6 in brackets."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host

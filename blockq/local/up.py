@@ -1,0 +1,249 @@
+"""``blockq up`` and ``blockq down``: a local cluster under a supervisor (embedded Redis
+unless ``--redis``), its configuration from a TOML file and flags, and the wait until it
+is ready."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from blockq.config import (
+    AUTOSCALERS,
+    AutoscaleOptions,
+    ConfigError,
+    Settings,
+    add_refine_arguments,
+    add_scaling_options,
+)
+from blockq.local.cluster_config import ClusterConfig
+from blockq.local.state import ClusterState
+from blockq.runtime.service_runner import add_common_arguments, settings_from_args
+
+if TYPE_CHECKING:  # the supervisor is imported only by the command that runs one
+    from blockq.local.supervisor import ChildSpec, WorkerScaling
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# `blockq up`'s vLLM options: each sets the cluster config's field vllm_<name>.
+VLLM_UP_OPTIONS = (
+    ("--block-size", int, "vLLM KV block size in tokens (CPU: a multiple of 32)"),
+    ("--kv-cache-bytes", int, "vLLM KV cache size per instance, in bytes"),
+    ("--gpu-memory-utilization", float, "fraction of GPU (CPU: node) memory each vLLM instance may use"),
+    ("--max-model-len", int, "vLLM max_model_len"),
+    ("--max-num-seqs", int, "vLLM max_num_seqs"),
+)
+
+# `blockq up`'s autoscaling options: each sets the AutoscaleOptions field of its name.
+AUTOSCALE_UP_OPTIONS = (
+    ("--scale-command", str, "shell command run by the dispatcher when the target changes, {n} = the size"),
+)
+
+
+def add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a local cluster (embedded Redis unless --redis)")
+    add_common_arguments(p)
+    p.add_argument("--config", type=Path, default=None, help="cluster TOML file ([cluster] table)")
+    p.add_argument("--instances", type=int, default=None, help="number of engine instances (default 2)")
+    p.add_argument("--instances-per-process", type=int, default=None, help="instances per worker process (default 6)")
+    p.add_argument("--policy", default=None, help="placement policy (default round_robin)")
+    p.add_argument("--objective", default=None, help="objective of the block policy: e2e | ttft | max_latency")
+    p.add_argument("--preset", default=None, help="engine preset (default llama2-7b-a30)")
+    p.add_argument("--time-scale", type=float, default=None, help="wall seconds per model second (default 1)")
+    p.add_argument("--engine", choices=["emulated", "vllm"], default=None,
+                   help="engine of every instance (default emulated)")
+    p.add_argument("--model", default=None, help="model path or name (required with --engine vllm)")
+    for option, kind, text in VLLM_UP_OPTIONS:
+        p.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
+    p.add_argument("--enforce-eager", dest="vllm_enforce_eager", action="store_true", default=None,
+                   help="vLLM without graph capture or compilation (a fast start-up)")
+    p.add_argument("--prefix-caching", action="store_true", default=None,
+                   help="every instance reuses cached prompt prefixes (emulated: counted hits; vLLM: "
+                        "enable_prefix_caching=True)")
+    p.add_argument("--predictor", dest="predictor_backend", default=None, help="predictor backend (default heuristic)")
+    p.add_argument("--predictor-model", default=None, help="trained predictor directory")
+    add_refine_arguments(p, defaults=False)
+    p.add_argument("--gateway", action="store_true", default=None, help="also start the HTTP gateway")
+    p.add_argument("--gateway-port", type=int, default=None)
+    p.add_argument("--batch-worker", action="store_true", default=None, help="also start the batch (rq) worker")
+    p.add_argument("--metrics-base-port", type=int, default=None,
+                   help="Prometheus metrics: the dispatcher on this port, the predictor on the next, worker "
+                        "process K on PORT+2+K (default 9400; 0: none); the gateway serves them on its own port")
+    p.add_argument("--metrics-host", default=None, help="address the metrics servers bind (default 127.0.0.1)")
+    p.add_argument("--redis-maxmemory", default=None,
+                   help="memory limit of the embedded Redis, e.g. 1gb (default), 512mb; writes fail when full")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--autoscale", choices=AUTOSCALERS, default=None,
+                   help="the dispatcher sizes the fleet with this scaler and the supervisor follows it "
+                        "(one instance per worker process; --instances, default --min-instances, to start)")
+    add_scaling_options(p, dest_prefix="autoscale_", with_defaults=False)
+    for option, kind, text in AUTOSCALE_UP_OPTIONS:
+        p.add_argument(option, dest="autoscale_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
+    p.add_argument("--detach", action="store_true", help="return once the cluster is ready")
+    p.add_argument("--ready-timeout-s", type=float, default=120.0)
+    p.add_argument("--json", action="store_true", help="print the ready report as JSON")
+    p.set_defaults(handler=cmd_up)
+
+
+def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    base = ClusterConfig.from_toml(args.config) if args.config else ClusterConfig()
+    autoscale = _autoscale_options(args, base.autoscale)
+    instances = args.instances
+    if autoscale is not None and instances is None and "instances" not in (
+            ClusterConfig.toml_section(args.config) if args.config else {}):
+        instances = autoscale.min_instances  # the fleet starts small and grows on demand
+    return base.with_overrides(
+        instances=instances, autoscale=autoscale, instances_per_process=args.instances_per_process, policy=args.policy,
+        objective=args.objective, preset=args.preset, time_scale=args.time_scale,
+        predictor_backend=args.predictor_backend, predictor_model=args.predictor_model,
+        gateway=args.gateway, gateway_port=args.gateway_port, batch_worker=args.batch_worker, seed=args.seed,
+        redis_maxmemory=args.redis_maxmemory, engine=args.engine, model=args.model,
+        metrics_base_port=args.metrics_base_port, metrics_host=args.metrics_host,
+        refine_model=args.refine_model, refine_every_tokens=args.refine_every_tokens,
+        prefix_caching=args.prefix_caching,
+        **{name: value for name, value in vars(args).items() if name.startswith("vllm_")})
+
+
+def _autoscale_options(args: argparse.Namespace, base: AutoscaleOptions | None) -> AutoscaleOptions | None:
+    """The TOML's ``[cluster.autoscale]`` overridden by flags; None when neither turns it on
+    (a bound or timing flag alone is refused: it would be silently ignored)."""
+    given = {name[len("autoscale_"):]: value for name, value in vars(args).items()
+             if name.startswith("autoscale_") and value is not None}
+    if args.autoscale is not None:
+        given["scaler"] = args.autoscale
+    elif base is None:
+        if given:
+            raise ConfigError(f"{next(iter(given))}: needs --autoscale (or a [cluster.autoscale] table)")
+        return None
+    return replace(base or AutoscaleOptions(), **given)
+
+
+def _scaling(config: ClusterConfig, settings: Settings) -> WorkerScaling | None:
+    """What the supervisor follows under autoscale (None without it)."""
+    from blockq.local.supervisor import WorkerScaling
+
+    if config.autoscale is None:
+        return None
+    return WorkerScaling(worker_spec=lambda index: child_spec(config, *config.worker_child(index, index, 1)),
+                         instance_id=config.instance_id, initial=config.instances,
+                         min_instances=config.autoscale.min_instances, max_instances=config.autoscale.max_instances,
+                         desired_key=settings.keys.autoscaler_desired, drain_key=settings.keys.autoscaler_drain)
+
+
+def child_spec(config: ClusterConfig, name: str, argv: tuple[str, ...]) -> ChildSpec:
+    """The supervisor's spec of child ``name``, with where it serves its metrics."""
+    from blockq.local.supervisor import ChildSpec
+
+    return ChildSpec(name, argv, metrics_url=config.metrics_url(name))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from blockq.local.supervisor import Supervisor
+
+    settings = settings_from_args(args, require_redis=False)
+    config = _cluster_config(args)
+    state = ClusterState.read(settings.state_dir)
+    if state is not None and state.supervisor_is_alive():
+        raise ConfigError(f"state_dir: a cluster is already running from {settings.state_dir} "
+                          f"(supervisor pid {state.supervisor_pid}); run `blockq down` first")
+    if args.detach:
+        return _up_detached(args, settings.state_dir, config, settings.redis_url)
+    from blockq.runtime.logs import configure_logging
+
+    configure_logging(settings.log_level, "supervisor")
+    scaling = _scaling(config, settings)
+    specs = [child_spec(config, name, argv) for name, argv in config.child_argvs(workers=scaling is None)]
+    gateway_url = f"http://{config.gateway_host}:{config.gateway_port}" if config.gateway else None
+    return Supervisor(settings.state_dir, specs, redis_url=settings.redis_url, num_instances=config.instances,
+                      gateway_url=gateway_url, redis_maxmemory=config.redis_maxmemory, scaling=scaling).run()
+
+
+def _argv_without_secrets(argv: list[str]) -> list[str]:
+    """``argv`` less --detach, --json and --redis URL (a URL may hold a password, and any
+    user can read a process's argv: the URL travels in the environment instead)."""
+    out: list[str] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg == "--redis":
+            skip_next = True
+        elif arg not in ("--detach", "--json") and not arg.startswith("--redis="):
+            out.append(arg)
+    return out
+
+
+def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfig,
+                 redis_url: str | None) -> int:
+    """Start the supervisor in the background and wait for every instance to be live."""
+    started_s = time.monotonic()
+    argv = _argv_without_secrets(sys.argv[1:])
+    env = dict(os.environ, BLOCKQ_REDIS_URL=redis_url) if redis_url else dict(os.environ)
+    os.umask(0o077)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (state_dir / "logs").mkdir(exist_ok=True)
+    with open(state_dir / "logs" / "supervisor.log", "ab") as log_file:
+        subprocess.Popen([sys.executable, "-m", "blockq.cli", *argv], stdout=log_file, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    report = wait_until_ready(args, state_dir, config.instances, args.ready_timeout_s)
+    report["ready_s"] = round(time.monotonic() - started_s, 3)
+    if args.json:
+        print_json(report)
+    else:
+        sys.stdout.write(f"blockq is up: {report['num_live_instances']} instances live, redis {report['redis_url']}, "
+                         f"ready in {report['ready_s']:.1f} s (state in {state_dir})\n")
+    return 0
+
+
+def wait_until_ready(args: argparse.Namespace, state_dir: Path, num_instances: int, timeout_s: float) -> dict[str, Any]:
+    from blockq.local.status import add_cluster_urls, collect_status
+    from blockq.wire.streams import connect
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = ClusterState.read(state_dir)
+        if state is not None:
+            settings = settings_from_args(args)
+            client = connect(state.redis_url)
+            try:
+                status = collect_status(client, settings)
+            finally:
+                client.close()
+            if status["num_live_instances"] >= num_instances and status["dispatcher_leader"]:
+                add_cluster_urls(status, state)
+                return status
+        time.sleep(0.1)
+    raise SystemExit(f"blockq up: cluster not ready within {timeout_s:.0f} s; see {state_dir / 'logs'}")
+
+
+def add_down(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("down", help="stop the local cluster started by `blockq up`")
+    add_common_arguments(p)
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    p.set_defaults(handler=cmd_down)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from blockq.local.supervisor import stop_cluster
+
+    settings = settings_from_args(args, require_redis=False)
+    if ClusterState.read(settings.state_dir) is None:
+        sys.stdout.write(f"no cluster running from {settings.state_dir}\n")
+        return 0
+    report = stop_cluster(settings.state_dir, args.timeout_s)
+    notes = []
+    if report.num_killed:
+        notes.append(f"killed {report.num_killed} stuck processes")
+    if report.num_unidentified:
+        notes.append(f"left {report.num_unidentified} recorded pids alone: they are other processes now")
+    sys.stdout.write("blockq is down" + (f" ({'; '.join(notes)})" if notes else "") + "\n")
+    return 0

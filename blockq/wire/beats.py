@@ -1,0 +1,152 @@
+"""Heartbeats on the wire: what a worker reports of its engine every beat, and its
+validation (the rest of the wire format is :mod:`blockq.wire.protocol`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+from blockq.wire.protocol import (
+    SCHEMA_VERSION,
+    ValidationError,
+    block_hash_list,
+    check_envelope,
+    field_of,
+    float_field,
+    unpack_map,
+)
+
+INSTANCE_STATES = ("joining", "live", "draining", "stopped")
+MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
+# Output blocks newly cached per beat: a beat every 100 ms rarely finishes more than a few
+# requests; past this the oldest are dropped (the dispatcher then predicts fewer hits).
+MAX_HEARTBEAT_CACHED_BLOCKS = 4096
+
+
+class RequestProgress(NamedTuple):
+    """One request as an engine reports it in a heartbeat (a named tuple: a worker builds
+    one per request per beat, so it must be cheap to build).
+
+    ``predicted_output_tokens`` / ``p90_tokens`` / ``p10_tokens`` are total output tokens:
+    the request's first guess, or, when ``refined_at_tokens`` is set, the refinement made
+    from its partial output after that many generated tokens (:mod:`workers.refinement`).
+    Beats of older workers carry the first six fields only."""
+
+    request_id: str
+    prompt_tokens: int
+    num_computed_tokens: int
+    num_generated_tokens: int
+    predicted_output_tokens: int | None = None
+    p90_tokens: int | None = None
+    p10_tokens: int | None = None
+    refined_at_tokens: int | None = None
+
+    def to_list(self) -> list[Any]:
+        if self.refined_at_tokens is None and self.p10_tokens is None:
+            return list(self[:6])  # the common case stays as small as it was
+        return list(self)
+
+    @classmethod
+    def from_list(cls, values: list[Any]) -> RequestProgress:
+        if not isinstance(values, list | tuple) or len(values) not in (6, 8):
+            raise ValidationError("running", "entries must be 6- or 8-element lists")
+        return cls(*values)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a worker publishes every heartbeat interval about one engine instance.
+
+    ``sent_at_s`` is wall-clock time; ``engine_time_s`` the engine's own (model) clock.
+    ``step_samples`` are recent steps as (prefill tokens, decode seqs, KV tokens attended,
+    seconds, prefill attention pairs). ``finished_ids`` lists requests finished since the previous beat;
+    ``finished_sizes`` the (prompt tokens, output tokens) of those answered ``ok`` (what the
+    autoscaler sizes future arrivals with: realized lengths, not predicted ones). When a
+    list had to be cut to :data:`MAX_HEARTBEAT_REQUESTS`, ``truncated`` is true and the
+    ``num_*_total`` fields keep the real counts. ``lag_p99_ms`` / ``lag_mean_ms``: how late
+    the engine's recent steps ended against their schedule (model ms; an emulated engine on
+    a busy host; 0 for a real engine), the p99 and the mean. ``state_at_s``: the engine
+    (model) time at which ``running`` and ``waiting`` hold, at a step boundary: an engine
+    that reports the state a step under way will leave gives that step's end; None (older
+    beats): ``engine_time_s``. ``cached_block_hashes``: with prefix caching, the block
+    hashes (:mod:`blockq.text.block_hashes`) of the output blocks that requests finished since the
+    previous beat left in the prefix cache (the engine caches a block once it is full, prompt
+    or output), at most :data:`MAX_HEARTBEAT_CACHED_BLOCKS`: what the dispatcher's prefix
+    index cannot know from the prompts it placed. ``delivery_p90_ms``: the p90 of the
+    wall ms from a placement's decision (the assignment's ``decided_at_s``) to the
+    worker handing the request to its engine, over the worker's recent requests (None
+    before the first): how long after a decision a step must start to include the request.
+    """
+
+    instance_id: str
+    state: str
+    seq: int
+    sent_at_s: float
+    engine_time_s: float
+    model: str
+    preset: str
+    engine_config: dict[str, Any]
+    latency_model: dict[str, Any] | None
+    num_used_blocks: int
+    running: tuple[RequestProgress, ...]
+    waiting: tuple[RequestProgress, ...]
+    num_running_total: int
+    num_waiting_total: int
+    finished_ids: tuple[str, ...] = ()
+    finished_sizes: tuple[tuple[int, int], ...] = ()
+    step_samples: tuple[tuple[int | float, ...], ...] = ()
+    lag_p99_ms: float = 0.0
+    lag_mean_ms: float = 0.0
+    time_scale: float = 1.0
+    truncated: bool = False
+    # Counters the engine reports itself, as it names them (vLLM: num_running_reqs,
+    # num_waiting_reqs, kv_cache_usage, num_preemptions_total, prefix_cache_*_total).
+    engine_stats: dict[str, Any] | None = None
+    state_at_s: float | None = None
+    cached_block_hashes: tuple[int, ...] = ()
+    delivery_p90_ms: float | None = None
+
+    def to_map(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["running"] = [r.to_list() for r in self.running]
+        data["waiting"] = [r.to_list() for r in self.waiting]
+        data["finished_ids"] = list(self.finished_ids)
+        data["finished_sizes"] = [list(s) for s in self.finished_sizes]
+        data["step_samples"] = [list(s) for s in self.step_samples]
+        data["cached_block_hashes"] = list(self.cached_block_hashes)
+        return {"v": SCHEMA_VERSION, "kind": "heartbeat", **data}
+
+    @classmethod
+    def from_map(cls, data: Mapping[str, Any]) -> Heartbeat:
+        check_envelope(data, "heartbeat")
+        state = field_of(data, "state", str)
+        if state not in INSTANCE_STATES:
+            raise ValidationError("state", f"must be one of {', '.join(INSTANCE_STATES)} (got {state!r})")
+        values = {f.name: data.get(f.name) for f in fields(cls)}
+        values["running"] = tuple(RequestProgress.from_list(v) for v in field_of(data, "running", list))
+        values["waiting"] = tuple(RequestProgress.from_list(v) for v in field_of(data, "waiting", list))
+        values["finished_ids"] = tuple(data.get("finished_ids") or ())
+        values["finished_sizes"] = _finished_sizes(data.get("finished_sizes") or ())
+        values["step_samples"] = tuple(tuple(s) for s in data.get("step_samples") or ())
+        values["lag_mean_ms"] = float_field(data, "lag_mean_ms") if "lag_mean_ms" in data else 0.0
+        values["state_at_s"] = float_field(data, "state_at_s", required=False)
+        values["delivery_p90_ms"] = float_field(data, "delivery_p90_ms", required=False)
+        values["cached_block_hashes"] = block_hash_list(data, "cached_block_hashes", MAX_HEARTBEAT_CACHED_BLOCKS)
+        field_of(data, "instance_id", str)
+        field_of(data, "seq", int)
+        float_field(data, "sent_at_s")
+        field_of(data, "engine_config", dict)
+        return cls(**values)
+
+
+def _finished_sizes(values: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(values, list | tuple) or not all(
+            isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(n, int) and n >= 0 for n in v)
+            for v in values):
+        raise ValidationError("finished_sizes", "must be a list of [prompt tokens, output tokens] pairs of ints >= 0")
+    return tuple((int(v[0]), int(v[1])) for v in values)
+
+
+def decode_heartbeat(raw: bytes) -> Heartbeat:
+    return Heartbeat.from_map(unpack_map(raw))

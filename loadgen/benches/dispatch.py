@@ -1,0 +1,208 @@
+"""``blockq dispatch-bench``: what a placement decision costs.
+
+Pure mode (default, no Redis): ``--instances`` instances, each starting with ``--running``
+running and ``--waiting`` waiting requests of ShareGPT-like lengths; ``--requests``
+decisions on a virtual clock at ``--rate`` requests/s. Every decision's request is
+recorded on the chosen instance (as the dispatcher does) and given to that instance's
+engine (a reference scheduler advanced in virtual time); every 100 ms of virtual time
+each engine sends a fresh heartbeat, so the replicas are rebuilt at the real rate.
+Reports per-decision wall time (choosing plus recording the assignment) and, apart, the
+time spent applying heartbeats (which is where replicas are rebuilt). Start-up work is
+done before the clock starts, as the dispatcher does it (:func:`prepare_for_decisions`).
+
+Redis mode (``--redis``): a real :class:`Dispatcher` against Redis, ``ready`` pre-filled
+with annotated requests; reports placements/s from ``ready`` to the instance queues. The
+instances are in a steady state: every 100 ms each one beats the same load (``--running``
+/ ``--waiting``) and reports as finished what was placed on it since its last beat (read
+back from its queue), as a fleet that keeps pace with its arrivals would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from blockq.config import Settings
+from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
+from blockq.wire.beats import Heartbeat, RequestProgress
+from blockq.wire.keys import PAYLOAD_FIELD, Keys
+from blockq.wire.protocol import Prediction, Request, decode_request, encode
+from blockq.wire.streams import connect_async
+from dispatcher.core import DispatcherCore, Placed
+from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for_decisions
+from dispatcher.what_if import DEFAULT_OBJECTIVE
+from loadgen.benches.emulated_engine import sharegpt_like_lengths
+
+HEARTBEAT_INTERVAL_S = 0.1
+
+
+def make_request(rng: random.Random, keys: Keys) -> Request:
+    prompt_tokens, output_tokens = sharegpt_like_lengths(rng)
+    request_id = uuid.uuid4().hex
+    spread = rng.uniform(1.5, 3.0)
+    return Request(id=request_id, prompt=tuple([1] * prompt_tokens), max_tokens=4096 - prompt_tokens,
+                   reply_stream=keys.reply(request_id), submitted_at_s=0.0, true_output_tokens=output_tokens,
+                   prediction=Prediction(prompt_tokens, output_tokens, max(1, int(output_tokens / spread)),
+                                         int(output_tokens * spread), "bench"))
+
+
+def loaded_scheduler(rng: random.Random, preset: str, num_running: int, num_waiting: int) -> EngineScheduler:
+    """A scheduler with ``num_running`` requests mid-decode and ``num_waiting`` queued."""
+    chosen = get_preset(preset)
+    scheduler = EngineScheduler(chosen.config, chosen.latency_model)
+    running = []
+    for i in range(num_running):
+        prompt_tokens, output_tokens = sharegpt_like_lengths(rng)
+        generated = rng.randrange(0, output_tokens)
+        running.append(EngineRequest(f"r{i}", prompt_tokens, output_tokens,
+                                     num_computed_tokens=prompt_tokens + generated - 1 if generated else 0,
+                                     num_generated_tokens=generated))
+    waiting = [EngineRequest(f"w{i}", *sharegpt_like_lengths(rng)) for i in range(num_waiting)]
+    scheduler.restore(running, waiting)
+    return scheduler
+
+
+def advance_engine(engine: EngineScheduler, until_s: float) -> None:
+    """Step ``engine`` while it has work and its clock is before ``until_s`` (the last step
+    may end after it); when it runs out of work first, move its clock forward to ``until_s``."""
+    while engine.now_s < until_s and engine.step() is not None:
+        pass
+    engine.now_s = max(engine.now_s, until_s)
+
+
+def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at_s: float,
+                 preset: str, finished_ids: tuple[str, ...] = ()) -> Heartbeat:
+    def progress(request: EngineRequest) -> RequestProgress:
+        return RequestProgress(request.request_id, request.prompt_tokens, request.num_computed_tokens,
+                               request.num_generated_tokens, request.output_target_tokens,
+                               request.output_target_tokens * 2)
+
+    return Heartbeat(instance_id=instance_id, state="live", seq=seq, sent_at_s=sent_at_s,
+                     engine_time_s=scheduler.now_s, model="emulated", preset=preset,
+                     engine_config=scheduler.config.to_dict(), latency_model=scheduler.latency_model.to_dict(),
+                     num_used_blocks=scheduler.num_used_blocks,
+                     running=tuple(progress(r) for r in scheduler.running),
+                     waiting=tuple(progress(r) for r in scheduler.waiting),
+                     num_running_total=len(scheduler.running), num_waiting_total=len(scheduler.waiting),
+                     finished_ids=finished_ids)
+
+
+def bench_decisions(*, policy: str = "block", instances: int = 16, running: int = 48, waiting: int = 20,
+                    requests: int = 10_000, rate_per_s: float = 32.0, preset: str = "llama2-7b-a30",
+                    seed: int = 0, objective: str | None = None) -> dict[str, Any]:
+    """Per-decision wall time of ``policy`` on one core, no Redis."""
+    rng = random.Random(seed)
+    keys = Keys()
+    core = DispatcherCore(policy, seed=seed, objective=objective or DEFAULT_OBJECTIVE)
+    # The "real" instances the beats come from: advanced in virtual time with what they get.
+    engines = {f"i{k}": loaded_scheduler(rng, preset, running, waiting) for k in range(instances)}
+    seq = 1
+    for instance_id, engine in engines.items():
+        core.apply_heartbeat(heartbeat_of(instance_id, engine, seq, 0.0, preset), 0.0)
+    prepare_for_decisions(core)
+    next_beat_s = HEARTBEAT_INTERVAL_S
+    decision_s: list[float] = []
+    beat_s: list[float] = []
+    for index in range(requests):
+        now_s = index / rate_per_s
+        if now_s >= next_beat_s:
+            seq += 1
+            for instance_id, engine in engines.items():
+                advance_engine(engine, now_s)
+                beat = heartbeat_of(instance_id, engine, seq, now_s, preset)
+                started = time.perf_counter()
+                core.apply_heartbeat(beat, now_s)
+                beat_s.append(time.perf_counter() - started)
+            next_beat_s += HEARTBEAT_INTERVAL_S
+        request = make_request(rng, keys)
+        started = time.perf_counter()
+        (outcome,) = core.place([request], now_s)
+        decision_s.append(time.perf_counter() - started)
+        if not isinstance(outcome, Placed) or outcome.request.assignment is None:
+            raise RuntimeError(f"dispatch-bench: {policy} did not place a request ({outcome})")
+        engine = engines[outcome.request.assignment.instance_id]
+        engine.add_request(EngineRequest(request.id, request.prediction.prompt_tokens,  # type: ignore[union-attr]
+                                         request.true_output_tokens or 1, arrival_s=engine.now_s))
+    times_ms = np.array(decision_s) * 1000
+    beat_ms = np.array(beat_s or [0.0]) * 1000
+    return {"policy": policy, "instances": instances, "running": running, "waiting": waiting,
+            "requests": requests, "rate_per_s": rate_per_s,
+            "p50_ms": float(np.percentile(times_ms, 50)), "p99_ms": float(np.percentile(times_ms, 99)),
+            "max_ms": float(times_ms.max()), "mean_ms": float(times_ms.mean()),
+            "decisions_per_s": float(len(times_ms) / (times_ms.sum() / 1000)),
+            # Applying one instance's beat (with its replica's rebuild):
+            # work on the heartbeat path, between decisions.
+            "heartbeat_p50_ms": float(np.percentile(beat_ms, 50)),
+            "heartbeat_p99_ms": float(np.percentile(beat_ms, 99)),
+            "heartbeat_ms_per_s": float(beat_ms.sum() / max(requests / rate_per_s, 1e-9))}
+
+
+async def bench_placements(redis_url: str, *, policy: str = "round_robin", instances: int = 16,
+                           running: int = 48, waiting: int = 20, requests: int = 10_000,
+                           seed: int = 0) -> dict[str, Any]:
+    """Sustained placements/s of a real dispatcher from ``ready`` to instance queues."""
+    settings = Settings(redis_url=redis_url, key_prefix=f"bench{uuid.uuid4().hex[:6]}:", log_level="warning")
+    keys = settings.keys
+    rng = random.Random(seed)
+    client = connect_async(redis_url)
+    dispatcher = create_dispatcher(client, settings, policy, dispatcher_id="bench", seed=seed,
+                                   options=DispatcherOptions(batch_size=256, dead_after_s=3600))
+    await dispatcher.consumer.ensure_group()
+    preset = "llama2-7b-a30"
+    engines = {f"i{k}": loaded_scheduler(rng, preset, running, waiting) for k in range(instances)}
+    queue_positions = {keys.instance_queue(instance_id): "0-0" for instance_id in engines}
+    instance_of_queue = {keys.instance_queue(instance_id): instance_id for instance_id in engines}
+    clock_started = time.perf_counter()
+
+    async def publish_beats(seq: int) -> None:
+        # What was placed since the last beat is reported finished, and the load stays
+        # the same: the steady state of a fleet that keeps pace with its arrivals.
+        placed = await client.xread(queue_positions) if seq > 1 else []
+        finished: dict[str, list[str]] = {instance_id: [] for instance_id in engines}
+        for stream, entries in placed:
+            queue = stream.decode()
+            queue_positions[queue] = entries[-1][0].decode()
+            finished[instance_of_queue[queue]].extend(decode_request(f[PAYLOAD_FIELD.encode()]).id for _, f in entries)
+        beat_pipe = client.pipeline(transaction=False)
+        for instance_id, engine in engines.items():
+            engine.now_s = time.perf_counter() - clock_started
+            beat = heartbeat_of(instance_id, engine, seq, time.time(), preset, tuple(finished[instance_id]))
+            beat_pipe.xadd(keys.heartbeats, {PAYLOAD_FIELD: encode(beat)})
+        await beat_pipe.execute()
+
+    await publish_beats(1)
+    await dispatcher.follow_heartbeats()
+    prepare_for_decisions(dispatcher.core)
+    pipe = client.pipeline(transaction=False)
+    for _ in range(requests):
+        pipe.xadd(keys.ready, {PAYLOAD_FIELD: encode(make_request(rng, keys))})
+    await pipe.execute()
+    started = time.perf_counter()
+    next_beat_at = started + HEARTBEAT_INTERVAL_S
+    seq = 1
+    while dispatcher.num_placed < requests:
+        await dispatcher.step()
+        if time.perf_counter() >= next_beat_at:
+            seq += 1
+            await publish_beats(seq)
+            next_beat_at += HEARTBEAT_INTERVAL_S
+    elapsed_s = time.perf_counter() - started
+    placed = sum([await client.xlen(queue) for queue in queue_positions])
+    keys_to_delete = [key async for key in client.scan_iter(match=f"{keys.prefix}*")]
+    if keys_to_delete:
+        await client.delete(*keys_to_delete)
+    await client.aclose()
+    decision_ms = np.array(dispatcher.decision_ms or [0.0])
+    return {"policy": policy, "instances": instances, "requests": requests, "placed": placed,
+            "seconds": elapsed_s, "placements_per_s": requests / elapsed_s,
+            "decision_p50_ms": float(np.percentile(decision_ms, 50)),
+            "decision_p99_ms": float(np.percentile(decision_ms, 99))}
+
+
+def run_placements(redis_url: str, **kwargs: Any) -> dict[str, Any]:
+    return asyncio.run(bench_placements(redis_url, **kwargs))

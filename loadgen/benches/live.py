@@ -1,0 +1,173 @@
+"""``blockq bench``: the same requests at the same times against a fresh emulated cluster
+per (policy, rate), then one table.
+
+Each run starts its own cluster (`blockq up --detach` in a private state directory, with
+its own embedded Redis), replays, and tears it down, so no run inherits another's queues
+or warm state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from blockq.client import AsyncClient
+from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, Settings
+from blockq.engine_model import get_preset
+from blockq.local.state import ClusterState
+from loadgen.arrivals import DEFAULT_THINK_TIME_S, build_schedule
+from loadgen.plots import run_key
+from loadgen.replay import ReplayOptions, ReplayResult, replay
+from loadgen.summaries import KvSample, RequestRecord, summarize
+from loadgen.traces import TraceRequest, load_trace
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    trace: str = "synthetic"
+    instances: int = 12
+    instances_per_process: int = 6
+    preset: str = "llama2-7b-a30"
+    policies: tuple[str, ...] = ("round_robin", "llumnix", "block", "oracle")
+    rates: tuple[float, ...] = (20.0, 24.0, 28.0, 32.0)
+    requests: int = 2000
+    seed: int = 1
+    burstiness: float = 1.0
+    use_trace_times: bool = False
+    multi_turn: bool = False
+    prefix_caching: bool = False
+    think_time_s: float = DEFAULT_THINK_TIME_S
+    time_scale: float = 1.0
+    predictor: str = "heuristic"
+    predictor_model: str | None = None
+    refine_model: str | None = None
+    refine_every_tokens: int = DEFAULT_REFINE_EVERY_TOKENS
+    objective: str | None = None
+    slo_ttft_ms: float = 3000.0
+    lag_bound_ms: float = 50.0
+    out_dir: Path = field(default_factory=lambda: Path("out/bench"))
+
+    def __post_init__(self) -> None:
+        if not self.policies:
+            raise ValueError("policies: give at least one")
+        if any(rate <= 0 for rate in self.rates):
+            raise ValueError("rates: must be > 0 requests/s")
+        if self.requests < 1:
+            raise ValueError("requests: must be >= 1")
+        if not self.think_time_s >= 0:
+            raise ValueError("think_time_s: must be >= 0 seconds")
+
+
+@dataclass
+class RunOutput:
+    summary: dict[str, Any]
+    records: list[RequestRecord]
+    kv_samples: list[KvSample]
+
+
+def up_detached(state_dir: Path, flags: list[str], env: dict[str, str] | None = None,
+                timeout_s: float = 300) -> dict[str, Any]:
+    """``blockq up --detach`` of a private cluster in ``state_dir`` (embedded Redis, quiet
+    logs, ``env`` added); returns its ready report."""
+    argv = [sys.executable, "-m", "blockq.cli", "up", "--detach", "--json", "--state-dir", str(state_dir), *flags]
+    env = {**os.environ, "BLOCKQ_REDIS_URL": "", "BLOCKQ_LOG_LEVEL": "warning", **(env or {})}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"cluster did not start: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def start_cluster(config: BenchConfig, policy: str, state_dir: Path) -> dict[str, Any]:
+    flags = ["--instances", str(config.instances), "--instances-per-process", str(config.instances_per_process),
+             "--policy", policy, "--preset", config.preset, "--time-scale", str(config.time_scale),
+             "--predictor", config.predictor, "--seed", str(config.seed)]
+    if config.predictor_model:
+        flags += ["--predictor-model", config.predictor_model]
+    if config.objective:
+        flags += ["--objective", config.objective]
+    if config.refine_model:
+        flags += ["--refine-model", config.refine_model, "--refine-every-tokens", str(config.refine_every_tokens)]
+    if config.prefix_caching:
+        flags.append("--prefix-caching")
+    return up_detached(state_dir, flags)
+
+
+def stop_cluster(state_dir: Path) -> None:
+    subprocess.run([sys.executable, "-m", "blockq.cli", "down", "--state-dir", str(state_dir)],
+                   capture_output=True, text=True, timeout=120)
+
+
+def run_one(config: BenchConfig, policy: str, rate: float, requests: list[TraceRequest],
+            on_progress: Callable[[int, int], None] | None = None) -> RunOutput:
+    """One fresh cluster, one replay at ``rate`` (model-time requests/s), one summary."""
+    schedule = build_schedule(requests, rate_per_s=rate, burstiness=config.burstiness, seed=config.seed,
+                              use_trace_times=config.use_trace_times, think_time_s=config.think_time_s)
+    with tempfile.TemporaryDirectory(prefix="blockq-bench-") as tmp:
+        state_dir = Path(tmp)
+        start_cluster(config, policy, state_dir)
+        try:
+            state = ClusterState.read(state_dir)
+            if state is None:
+                raise RuntimeError(f"cluster for {policy} left no state in {state_dir}")
+            result = asyncio.run(_replay(state.redis_url, schedule, config, on_progress))
+        finally:
+            stop_cluster(state_dir)
+    summary = summarize(result.records, duration_s=result.duration_s, kv_samples=result.kv_samples,
+                        lag_samples_ms=result.lag_samples_ms,
+                        lag_mean_samples_ms=result.lag_mean_samples_ms,
+                        delivery_samples_ms=result.delivery_samples_ms, slo_ttft_ms=config.slo_ttft_ms,
+                        lag_bound_ms=config.lag_bound_ms)
+    summary.update(policy=policy, rate=rate, instances=config.instances, preset=config.preset,
+                   predictor=config.predictor, time_scale=config.time_scale,
+                   trace=config.trace, seed=config.seed)
+    return RunOutput(summary, result.records, result.kv_samples)
+
+
+async def _replay(redis_url: str, schedule: list[tuple[float, TraceRequest]], config: BenchConfig,
+                  on_progress: Callable[[int, int], None] | None) -> ReplayResult:
+    async with AsyncClient(settings=Settings(redis_url=redis_url)) as client:
+        return await replay(client, schedule, ReplayOptions(time_scale=config.time_scale), on_progress)
+
+
+def load_requests(config: BenchConfig) -> list[TraceRequest]:
+    # The trace's length policy is the engines': a long-context preset keeps long prompts.
+    requests = load_trace(config.trace, limit=config.requests, seed=config.seed, multi_turn=config.multi_turn,
+                          max_model_len=get_preset(config.preset).config.max_model_len)
+    if len(requests) < config.requests:
+        log.warning("trace_shorter_than_requested", trace=config.trace, available=len(requests),
+                    requested=config.requests)
+    return requests
+
+
+def run_bench(config: BenchConfig, on_progress: Callable[[str, int, int], None] | None = None
+              ) -> tuple[list[dict[str, Any]], dict[str, list[RequestRecord]], dict[str, list[KvSample]]]:
+    """Every (policy, rate) run; returns summaries and, per run key, records and KV samples."""
+    requests = load_requests(config)
+    results: list[dict[str, Any]] = []
+    per_request: dict[str, list[RequestRecord]] = {}
+    kv_samples: dict[str, list[KvSample]] = {}
+    for rate in config.rates:
+        for policy in config.policies:
+            key = run_key(policy, rate)
+
+            def progress(done: int, total: int, key: str = key) -> None:
+                if on_progress:
+                    on_progress(key, done, total)
+
+            output = run_one(config, policy, rate, requests, progress)
+            results.append(output.summary)
+            per_request[key] = output.records
+            kv_samples[key] = output.kv_samples
+    return results, per_request, kv_samples

@@ -1,0 +1,76 @@
+"""One simulated run: a sample at a rate under a policy → the summary ``blockq bench``
+writes, plus per-request records and KV samples for the report."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from blockq.wire.protocol import Request
+from loadgen.replay import failed_record, record_of
+from loadgen.simulation.cluster import ClusterSimulation
+from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.prefix_report import ideal_prefix_hit_rate, predicted_prefix_hit_rate
+from loadgen.simulation.workload import AnnotatedSample, arrivals_for, submitted
+from loadgen.summaries import KvSample, RequestRecord, summarize
+
+
+@dataclass
+class SimulatedRun:
+    summary: dict[str, Any]
+    records: list[RequestRecord]
+    kv_samples: list[KvSample]
+
+
+def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_s: float | None,
+                 burstiness: float = 1.0, use_trace_times: bool = False,
+                 on_progress: Callable[[int, int], None] | None = None) -> SimulatedRun:
+    """Simulate ``sample`` arriving at ``rate_per_s`` on the cluster ``config`` describes.
+
+    The summary has :func:`loadgen.summaries.summarize`'s keys and ``blockq bench``'s run
+    fields (``policy``, ``rate``, ``instances``, ``preset``, ``seed``), plus ``events``
+    and ``steps`` (what the simulation did); ``lag_p99_ms`` is None (virtual time has no lag).
+    ``prefix_hit_rate``: the share of prompt tokens the engines found in their prefix caches
+    at admission, over every instance (None without prefix caching, or nothing admitted);
+    ``prefix_hit_rate_predicted`` and ``prefix_hit_rate_ideal`` beside it
+    (:mod:`loadgen.simulation.prefix_report`)."""
+    schedule = arrivals_for(sample, rate_per_s=rate_per_s, burstiness=burstiness, use_trace_times=use_trace_times)
+    simulation = ClusterSimulation(config, refinements=sample.refinements)
+    origin_s = config.warmup_s  # the first request is submitted after the warm-up
+    arrivals = [(offset_s, submitted(request, origin_s + offset_s * config.time_scale, best_effort=config.best_effort))
+                for offset_s, index in schedule
+                if (request := sample.requests[index]) is not None]
+    result = simulation.run(arrivals, on_progress)
+    records: list[RequestRecord] = []
+    for offset_s, index in schedule:
+        trace_request = sample.trace_requests[index]
+        request = sample.requests[index]
+        if request is None:
+            records.append(failed_record(trace_request, offset_s, sample.rejected[index]))
+        elif request.id in result.rejected:
+            records.append(failed_record(trace_request, offset_s, result.rejected[request.id]))
+        elif request.id in result.finals:
+            records.append(record_of(request.id, trace_request, offset_s, result.finals[request.id]))
+        else:
+            records.append(failed_record(trace_request, offset_s, "not answered"))
+    duration_s = max(0.0, result.end_s - origin_s) / config.time_scale
+    summary = summarize(records, duration_s=duration_s, kv_samples=result.kv_samples,
+                        delivery_samples_ms=result.delivery_samples_ms, slo_ttft_ms=config.slo_ttft_ms)
+    summary.update(policy=config.policy, rate=rate_per_s, instances=config.instances, preset=config.preset,
+                   seed=sample.seed, time_scale=config.time_scale, mode="simulated", events=result.counters["events"],
+                   steps=result.counters["steps"], beats_rejected=result.counters["beats_rejected"],
+                   **_prefix_hit_rates(config, result.counters, simulation, [r for _, r in arrivals]))
+    return SimulatedRun(summary, records, result.kv_samples)
+
+
+def _prefix_hit_rates(config: SimulationConfig, counters: dict[str, int], simulation: ClusterSimulation,
+                      requests_in_arrival_order: list[Request]) -> dict[str, float | None]:
+    """Measured (prompt tokens served from cache / queried), predicted and ideal; all None
+    without prefix caching (see simulate_run)."""
+    if not config.prefix_caching:
+        return dict.fromkeys(("prefix_hit_rate", "prefix_hit_rate_predicted", "prefix_hit_rate_ideal"))
+    num_queried_tokens = counters["prefix_cache_queries_tokens"]
+    return {"prefix_hit_rate": counters["prefix_cache_hits_tokens"] / num_queried_tokens if num_queried_tokens else None,
+            "prefix_hit_rate_predicted": predicted_prefix_hit_rate(simulation.core.stats),
+            "prefix_hit_rate_ideal": ideal_prefix_hit_rate(requests_in_arrival_order)}
