@@ -37,9 +37,10 @@ Environment variables (all optional):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +154,45 @@ class Settings:
         return cls(**values)  # type: ignore[arg-type]
 
 
-AUTOSCALERS = ("predictive", "reactive")
+# Every scaler the project has; the dispatcher leader runs the ones that need only the
+# fleet's own signals (``static`` holds a given size and ``scheduled`` follows a timetable:
+# the simulation compares them with the others).
+SCALERS = ("static", "reactive", "predictive", "scheduled")
+LIVE_SCALERS = ("predictive", "reactive")
+MAX_FLEET_INSTANCES = 1024
+
+
+@dataclass(frozen=True)
+class ScalingRules:
+    """The bounds, step and cooldowns every scaler's wish passes through
+    (:mod:`dispatcher.autoscale.rules`), for the leader and the simulation alike; validated
+    on construction (ConfigError naming the field). At least one instance: every scaler
+    reads a live one (its engine, its load)."""
+
+    min_instances: int = 1
+    max_instances: int = 16
+    max_step_fraction: float = 0.2
+    cooldown_s: float = 300.0
+    reversal_hold_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_instances, bool) or not isinstance(self.min_instances, int) or self.min_instances < 1:
+            raise ConfigError(f"min_instances: must be an integer >= 1 (got {self.min_instances!r})")
+        if (isinstance(self.max_instances, bool) or not isinstance(self.max_instances, int)
+                or not self.min_instances <= self.max_instances <= MAX_FLEET_INSTANCES):
+            raise ConfigError(f"max_instances: must be between min_instances and {MAX_FLEET_INSTANCES} "
+                              f"(got {self.max_instances!r})")
+        if not 0 < self.max_step_fraction <= 1:
+            raise ConfigError(f"max_step_fraction: must be in (0, 1] (got {self.max_step_fraction})")
+        if self.cooldown_s < 0:
+            raise ConfigError(f"cooldown_s: must be >= 0 (got {self.cooldown_s})")
+        if self.reversal_hold_s < self.cooldown_s:
+            raise ConfigError(f"reversal_hold_s: must be >= cooldown_s (got {self.reversal_hold_s})")
+
+    def max_step(self, current: int) -> int:
+        """The most instances one action may add or remove from a fleet of ``current``."""
+        return max(1, math.floor(self.max_step_fraction * current))
+
 
 # The autoscaler's bounds, step and timings as command-line options, one list for every
 # command that takes them (the dispatcher, `blockq up`, `blockq simulate autoscale`): each
@@ -181,40 +220,24 @@ def add_scaling_options(group: Any, *, dest_prefix: str = "", with_defaults: boo
 
 
 @dataclass(frozen=True)
-class AutoscaleOptions:
-    """How the dispatcher leader sizes the fleet (``--autoscale``); every ``*_s`` is wall
-    seconds. The bounds, step and cooldowns are :class:`dispatcher.autoscale.ScalingRules`'
-    (checked here the same way, so that ``blockq up`` needs no dispatcher import to
-    validate them); ``startup_s``: how long a new instance takes to serve, ``cycle_s``:
-    between decisions. ``scale_command``: a shell command run when the target changes,
-    ``{n}`` replaced by the target size. The autoscaler's metrics are served with the
+class AutoscaleOptions(ScalingRules):
+    """How the dispatcher leader sizes the fleet (``--autoscale``): the scaler, its
+    :class:`ScalingRules` and what only the live leader needs; every ``*_s`` is wall
+    seconds. ``startup_s``: how long a new instance takes to serve, ``cycle_s``: between
+    decisions. ``scale_command``: a shell command run when the target changes, ``{n}``
+    replaced by the target size. The autoscaler's metrics are served with the
     dispatcher's (:class:`MetricsEndpoint`)."""
 
     scaler: str = "predictive"
-    min_instances: int = 1
-    max_instances: int = 16
-    max_step_fraction: float = 0.2
-    cooldown_s: float = 300.0
-    reversal_hold_s: float = 600.0
     startup_s: float = 90.0
     cycle_s: float = 60.0
     scale_command: str | None = None
     scale_command_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.scaler not in AUTOSCALERS:
-            raise ConfigError(f"autoscale: must be one of {', '.join(AUTOSCALERS)} (got {self.scaler!r})")
-        # At least one instance: both scalers read a live one (its engine, its load).
-        if isinstance(self.min_instances, bool) or not isinstance(self.min_instances, int) or self.min_instances < 1:
-            raise ConfigError(f"min_instances: must be an integer >= 1 (got {self.min_instances!r})")
-        if not isinstance(self.max_instances, int) or not self.min_instances <= self.max_instances <= 1024:
-            raise ConfigError(f"max_instances: must be between min_instances and 1024 (got {self.max_instances!r})")
-        if not 0 < self.max_step_fraction <= 1:
-            raise ConfigError(f"max_step_fraction: must be in (0, 1] (got {self.max_step_fraction})")
-        if self.cooldown_s < 0:
-            raise ConfigError(f"cooldown_s: must be >= 0 (got {self.cooldown_s})")
-        if self.reversal_hold_s < self.cooldown_s:
-            raise ConfigError(f"reversal_hold_s: must be >= cooldown_s (got {self.reversal_hold_s})")
+        super().__post_init__()
+        if self.scaler not in LIVE_SCALERS:
+            raise ConfigError(f"autoscale: must be one of {', '.join(LIVE_SCALERS)} (got {self.scaler!r})")
         if self.startup_s < 0:
             raise ConfigError(f"startup_s: must be >= 0 (got {self.startup_s})")
         if self.cycle_s <= 0:
@@ -223,6 +246,11 @@ class AutoscaleOptions:
             raise ConfigError("scale_command: must not be empty")
         if self.scale_command_timeout_s <= 0:
             raise ConfigError(f"scale_command_timeout_s: must be > 0 (got {self.scale_command_timeout_s})")
+
+    @property
+    def rules(self) -> ScalingRules:
+        """The scaling rules alone, as the autoscaler takes them."""
+        return ScalingRules(**{f.name: getattr(self, f.name) for f in fields(ScalingRules)})
 
 
 METRICS_PORT_ENV = ENV_PREFIX + "METRICS_PORT"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from blockq.config import AUTOSCALERS, AutoscaleOptions, add_scaling_options
+from blockq.config import LIVE_SCALERS, AutoscaleOptions, add_scaling_options
 from blockq.runtime.metrics_server import (
     add_metrics_arguments,
     metrics_endpoint_from_args,
@@ -40,7 +40,7 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     """The leader's autoscaling options (:class:`blockq.config.AutoscaleOptions`)."""
     group = parser.add_argument_group("autoscaling (off unless --autoscale)")
     defaults = AutoscaleOptions()
-    group.add_argument("--autoscale", choices=AUTOSCALERS, default=None,
+    group.add_argument("--autoscale", choices=LIVE_SCALERS, default=None,
                        help="size the fleet with this scaler; decisions go to Redis (autoscaler:desired, "
                             "autoscaler:drain, autoscaler:decisions) for the actuators")
     add_scaling_options(group)

@@ -27,7 +27,7 @@ from blockq.engine_model.presets import PRESETS
 from blockq.lengths import check_length_mode
 from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS
 from blockq.wire.beats import Heartbeat
-from blockq.wire.health import HealthPolicy
+from blockq.wire.health import HealthPolicy, InstanceState
 from blockq.wire.protocol import Request
 from dispatcher.prefix_index import PrefixIndex
 from dispatcher.replica import InstanceReplica
@@ -40,7 +40,7 @@ class InstanceView:
     instance_id: str
     heartbeat: Heartbeat
     last_beat_at_s: float           # dispatcher's clock when the beat reached Redis (else: was applied)
-    health: str = "joining"
+    health: InstanceState = InstanceState.JOINING
     assigned_not_seen: dict[str, Request] = field(default_factory=dict)
     num_assigned_total: int = 0
     batch_request_ids: set[str] = field(default_factory=set)  # batch work placed here, not finished
@@ -121,7 +121,7 @@ class ClusterView:
         noise, and a short prompt predicted to make a step that starts a few ms after it is
         placed misses it by a whole step when the phase is off. Rebuilding on every 100 ms
         beat instead of every 300 ms halved those misses and took ``block``'s mean TTFT at
-        0.9 x Llumnix's capacity from 80.4 to 78.0 ms (README, "Below the knee").
+        0.9 x Llumnix's capacity from 80.4 to 78.0 ms (docs/decisions/placement.md).
 
         Raises:
             ValueError: when replicas are kept and the beat's engine config or latency
@@ -145,13 +145,13 @@ class ClusterView:
         if view.prefix_index is not None and beat.cached_block_hashes:
             # Output blocks its finished requests left cached: placements cannot show them.
             view.prefix_index.record(beat.cached_block_hashes)
-        if beat.state != "stopped":
+        if beat.state != InstanceState.STOPPED:
             view.left_reported = False
-        if beat.state not in ("draining", "stopped"):
+        if beat.state not in (InstanceState.DRAINING, InstanceState.STOPPED):
             view.drain_reported = False  # back to work: a later drain is reported again
         self._reconcile(view, beat)
         if view.replica is None:
-            if self.keep_replicas and beat.state == "live":
+            if self.keep_replicas and beat.state == InstanceState.LIVE:
                 self._create_replica(view, now_s)
         else:
             self._rebuild(view, now_s)
@@ -197,12 +197,12 @@ class ClusterView:
         ``stopped``) and those first seen ``draining`` (each once per departure)."""
         newly_gone = []
         for view in self.instances.values():
-            if view.health not in ("dead", "stopped"):
+            if view.health not in (InstanceState.DEAD, InstanceState.STOPPED):
                 view.health = self._classify(view, now_s)
-            if view.health in ("dead", "stopped") and not view.left_reported:
+            if view.health in (InstanceState.DEAD, InstanceState.STOPPED) and not view.left_reported:
                 view.left_reported = True
                 newly_gone.append(view)
-            elif view.health == "draining" and not view.drain_reported:
+            elif view.health == InstanceState.DRAINING and not view.drain_reported:
                 view.drain_reported = True
                 newly_gone.append(view)
         return newly_gone
@@ -210,8 +210,8 @@ class ClusterView:
     def _classify(self, view: InstanceView, now_s: float) -> str:
         health = self.health_policy.classify(view.heartbeat.state, now_s - view.last_beat_at_s)
         audible_for_s = now_s - max(view.last_beat_at_s, self.audible_since_s)
-        if health == "dead" and audible_for_s <= self.health_policy.dead_after_s:
-            return "suspect"  # silent, but not for long enough that the dispatcher could tell
+        if health == InstanceState.DEAD and audible_for_s <= self.health_policy.dead_after_s:
+            return InstanceState.SUSPECT  # silent, but not for long enough that the dispatcher could tell
         return health
 
     def record_assignment(self, instance_id: str, request: Request) -> None:
@@ -231,7 +231,7 @@ class ClusterView:
 
     def live_instances(self) -> list[InstanceView]:
         """Instances that may receive new requests, in a stable (id) order."""
-        return sorted((v for v in self.instances.values() if v.health == "live"),
+        return sorted((v for v in self.instances.values() if v.health == InstanceState.LIVE),
                       key=lambda v: v.instance_id)
 
     def forget(self, instance_ids: Iterable[str]) -> None:

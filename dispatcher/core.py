@@ -23,7 +23,6 @@ from dispatcher.autoscale.futures import DRAINING, LIVE, STARTING, FleetSnapshot
 from dispatcher.cluster_view import InstanceView
 from dispatcher.policies import Policy, make_policy, make_view
 from dispatcher.priority import eligible_candidates
-from dispatcher.replica import prompt_tokens_of
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 
 NUM_ANSWERED_SIZES = 2000
@@ -207,7 +206,7 @@ class DispatcherCore:
 
     def _count_prompt(self, request: Request, view: InstanceView) -> None:
         """Before the placement is recorded: what the request finds cached there."""
-        prompt_tokens = prompt_tokens_of(request)
+        prompt_tokens = request.num_prompt_tokens
         self.stats.num_placed_prompt_tokens += prompt_tokens
         if view.prefix_index is not None and request.prompt_block_hashes:
             self.stats.num_predicted_cached_tokens += view.prefix_index.cached_prompt_tokens(

@@ -43,7 +43,7 @@ SPARE_ROWS = 32  # room for the assignments expected before the next rebuild
 # of the decision batch, the queue write, the worker's read: about 1.5 ms in the
 # simulation), plus a margin for steps that end earlier than the replica expects: a
 # step that starts within this much of a decision is taken to start without the request.
-# Chosen by measurement: README, "Below the knee and past it". Where an instance's beats
+# Chosen by measurement: docs/decisions/placement.md. Where an instance's beats
 # report a longer delivery (their p90: a loaded host, a remote Redis), that is used, up to
 # MAX_DELIVERY_S: the measurement compares the dispatcher's clock with the worker's, and
 # past that a skewed clock is likelier than a queue hop (a worker clock seconds ahead
@@ -83,12 +83,6 @@ def belief_of(request: Request) -> LengthBelief:
         return belief_from_prediction(None, true_tokens=request.true_output_tokens)
     return belief_from_prediction(prediction.predicted_output_tokens, prediction.p10_tokens,
                                   prediction.p90_tokens, request.true_output_tokens)
-
-
-def prompt_tokens_of(request: Request) -> int:
-    if request.prediction is not None:
-        return request.prediction.prompt_tokens
-    return len(request.prompt) if not isinstance(request.prompt, str) else max(1, len(request.prompt) // 4)
 
 
 class InstanceReplica:
@@ -206,7 +200,7 @@ class InstanceReplica:
         if lengths is None and (row := self._new_rows.get(request.id)) is not None:
             return row[1], row[2]
         belief = self.beliefs.get(request.id) or belief_of(request)
-        prompt_tokens = min(prompt_tokens_of(request), self.config.max_model_len - 1)
+        prompt_tokens = min(request.num_prompt_tokens, self.config.max_model_len - 1)
         if self.prefix_index is not None and request.prompt_block_hashes:
             prompt_tokens -= self.prefix_index.cached_prompt_tokens(request.prompt_block_hashes, prompt_tokens)
         output_tokens = belief.remaining_target(0, lengths or self.lengths)

@@ -49,7 +49,7 @@ import structlog
 from blockq.config import AutoscaleOptions, Settings
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
 from blockq.wire.beats import decode_heartbeat
-from blockq.wire.health import HealthPolicy
+from blockq.wire.health import HealthPolicy, InstanceState
 from blockq.wire.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
 from blockq.wire.output import queue_final, set_owner
 from blockq.wire.protocol import Placement, Request, ValidationError, decode_request, encode
@@ -220,8 +220,8 @@ class Dispatcher:
             view = self.view.instances.get(instance_id)
             health = view.health if view is not None else None
             # Draining: only what its worker has not read moves; what it took finishes there.
-            if (health not in ("dead", "stopped", "draining")
-                    or await self.redispatch_queue(instance_id, unread_only=health == "draining") is not None):
+            if (health not in (InstanceState.DEAD, InstanceState.STOPPED, InstanceState.DRAINING)
+                    or await self.redispatch_queue(instance_id, unread_only=health == InstanceState.DRAINING) is not None):
                 self._queues_to_redispatch.discard(instance_id)
         entries: list[StreamEntry] = []
         if len(self.unplaced) < self.options.max_unplaced:

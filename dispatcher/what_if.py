@@ -10,7 +10,7 @@ from dispatcher.replica import Baseline, InstanceReplica, WhatIf
 
 OBJECTIVES = ("e2e", "ttft", "max_latency")
 # What `block` scores by unless told: its own predicted TTFT (below the knee it cut mean /
-# P99 TTFT to 85 / 575 ms from e2e's 93 / 656 at equal capacity: see the README).
+# P99 TTFT to 85 / 575 ms from e2e's 93 / 656 at equal capacity: docs/decisions/placement.md).
 DEFAULT_OBJECTIVE = "ttft"
 
 

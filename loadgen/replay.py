@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from blockq.client import AsyncClient, AsyncHandle, Overloaded
 from blockq.wire.beats import decode_heartbeat
+from blockq.wire.health import InstanceState
 from blockq.wire.keys import PAYLOAD_FIELD
 from blockq.wire.protocol import FinalRecord, ValidationError
 from loadgen.summaries import KvSample, RequestRecord
@@ -142,7 +143,7 @@ async def _follow_heartbeats(client: AsyncClient, started_s: float, time_scale: 
             except (ValidationError, KeyError):
                 continue
             num_blocks = beat.engine_config.get("num_gpu_blocks") or 0
-            if beat.state == "live" and num_blocks:
+            if beat.state == InstanceState.LIVE and num_blocks:
                 result.kv_samples.append(KvSample(now_s, beat.instance_id, beat.num_used_blocks / num_blocks))
                 result.lag_samples_ms.append(beat.lag_p99_ms)
                 result.lag_mean_samples_ms.append(beat.lag_mean_ms)

@@ -110,7 +110,7 @@ async def _step_at(dispatcher: Dispatcher, clock: list[float], at_s: float) -> N
 async def test_leader_writes_decisions_runs_the_hook_and_serves_metrics(
         settings: Settings, sync_redis: redis.Redis, tmp_path: Path) -> None:
     hook_file = tmp_path / "targets"
-    options = AutoscaleOptions("reactive", min_instances=1, max_instances=4, cooldown_s=0, reversal_hold_s=0,
+    options = AutoscaleOptions(scaler="reactive", min_instances=1, max_instances=4, cooldown_s=0, reversal_hold_s=0,
                                cycle_s=1.0, startup_s=5.0, scale_command=f"echo {{n}} >> {hook_file}")
     sync_redis.set(settings.keys.autoscaler_desired, 1)  # as the supervisor seeds it
     client = connect_async(settings.redis_url)
@@ -162,7 +162,7 @@ async def test_leader_writes_decisions_runs_the_hook_and_serves_metrics(
         await server.close()
     # A new leader picks up the target and the cooldown clock from Redis.
     successor = create_dispatcher(client, settings, "round_robin", dispatcher_id="d-next",
-                                  autoscale=AutoscaleOptions("reactive", cycle_s=1.0))
+                                  autoscale=AutoscaleOptions(scaler="reactive", cycle_s=1.0))
     successor.clock = lambda: clock[0]
     await successor.consumer.ensure_group()
     await successor.step()

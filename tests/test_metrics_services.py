@@ -419,7 +419,7 @@ async def test_dashboard_queries_use_only_exposed_names(scrapes: Scrapes, settin
     # The autoscaler's metrics are on the registry of a dispatcher that autoscales.
     client = connect_async(settings.redis_url)
     autoscaling = create_dispatcher(client, settings, "round_robin", dispatcher_id="d-auto",
-                                    autoscale=AutoscaleOptions("reactive"))
+                                    autoscale=AutoscaleOptions(scaler="reactive"))
     exposed = exposed_names([*scrapes.after.values(), render_text(autoscaling.metrics.registry)])
     await client.aclose()
     assert "blockq_autoscaler_desired_instances" in exposed

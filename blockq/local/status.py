@@ -1,5 +1,5 @@
 """A cluster's state as ``blockq status`` reports it (stable JSON shape, documented in
-the README): instances with their last heartbeat, stream lengths, pending entries per
+docs/commands.md, "JSON output"): instances with their last heartbeat, stream lengths, pending entries per
 consumer group and the dead-letter count; for a ``blockq up`` cluster also the gateway's
 URL and every process's Prometheus endpoint (``metrics_urls``)."""
 
@@ -13,7 +13,7 @@ import redis
 from blockq.config import Settings
 from blockq.local.state import ClusterState
 from blockq.wire.beats import decode_heartbeat
-from blockq.wire.health import HealthPolicy
+from blockq.wire.health import HealthPolicy, InstanceState
 from blockq.wire.keys import GROUP_DISPATCH, GROUP_PREDICT, GROUP_WORK
 from blockq.wire.protocol import ValidationError
 
@@ -52,7 +52,7 @@ def collect_status(client: redis.Redis, settings: Settings, *, dead_after_s: flo
         "redis_url": _redacted(settings.redis_url),
         "prefix": keys.prefix,
         "instances": instances,
-        "num_live_instances": sum(1 for i in instances if i["state"] == "live"),
+        "num_live_instances": sum(1 for i in instances if i["state"] == InstanceState.LIVE),
         "streams": lengths,
         "pending": pending,
         "dead_letters": lengths["dead"],

@@ -43,6 +43,7 @@ from blockq.config import Settings
 from blockq.local.status import collect_status
 from blockq.prediction_accuracy import compute_metrics
 from blockq.runtime.service_runner import settings_from_args
+from blockq.wire.health import InstanceState
 from blockq.wire.keys import GROUP_DISPATCH, PAYLOAD_FIELD, Keys
 from blockq.wire.protocol import DoneRecord, ValidationError, decode_done_record
 from blockq.wire.streams import connect
@@ -51,8 +52,8 @@ DEFAULT_INTERVAL_S = 1.0
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_NUM_RECORDS = 1000
 KV_BAR_WIDTH = 20
-STATE_TO_STYLE = {"live": "green", "suspect": "yellow", "dead": "bold red", "draining": "cyan",
-                  "stopped": "dim", "joining": "blue"}
+STATE_TO_STYLE = {InstanceState.LIVE: "green", InstanceState.SUSPECT: "yellow", InstanceState.DEAD: "bold red",
+                  InstanceState.DRAINING: "cyan", InstanceState.STOPPED: "dim", InstanceState.JOINING: "blue"}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blockq.config import (
-    AUTOSCALERS,
+    LIVE_SCALERS,
     AutoscaleOptions,
     ConfigError,
     Settings,
@@ -82,7 +82,7 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-maxmemory", default=None,
                    help="memory limit of the embedded Redis, e.g. 1gb (default), 512mb; writes fail when full")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--autoscale", choices=AUTOSCALERS, default=None,
+    p.add_argument("--autoscale", choices=LIVE_SCALERS, default=None,
                    help="the dispatcher sizes the fleet with this scaler and the supervisor follows it "
                         "(one instance per worker process; --instances, default --min-instances, to start)")
     add_scaling_options(p, dest_prefix="autoscale_", with_defaults=False)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
+from blockq.wire.health import REPORTED_STATES
 from blockq.wire.protocol import (
     SCHEMA_VERSION,
     ValidationError,
@@ -17,7 +18,6 @@ from blockq.wire.protocol import (
     unpack_map,
 )
 
-INSTANCE_STATES = ("joining", "live", "draining", "stopped")
 MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
 # Output blocks newly cached per beat: a beat every 100 ms rarely finishes more than a few
 # requests; past this the oldest are dropped (the dispatcher then predicts fewer hits).
@@ -121,8 +121,8 @@ class Heartbeat:
     def from_map(cls, data: Mapping[str, Any]) -> Heartbeat:
         check_envelope(data, "heartbeat")
         state = field_of(data, "state", str)
-        if state not in INSTANCE_STATES:
-            raise ValidationError("state", f"must be one of {', '.join(INSTANCE_STATES)} (got {state!r})")
+        if state not in REPORTED_STATES:
+            raise ValidationError("state", f"must be one of {', '.join(REPORTED_STATES)} (got {state!r})")
         values = {f.name: data.get(f.name) for f in fields(cls)}
         values["running"] = tuple(RequestProgress.from_list(v) for v in field_of(data, "running", list))
         values["waiting"] = tuple(RequestProgress.from_list(v) for v in field_of(data, "waiting", list))

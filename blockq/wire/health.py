@@ -1,8 +1,27 @@
-"""Instance health from heartbeat age: one rule for the dispatcher and ``blockq status``."""
+"""Instance states, and health from heartbeat age: one rule for the dispatcher and ``blockq status``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class InstanceState(StrEnum):
+    """What an instance is: as its beats report it (joining, live, draining, stopped), as
+    the dispatcher judges it from their age (suspect, dead), or, for the autoscaler, asked
+    for and not beating yet (starting). Equal to its string, which is what goes on the wire."""
+
+    STARTING = "starting"
+    JOINING = "joining"
+    LIVE = "live"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+
+
+# The states a worker's beat may report.
+REPORTED_STATES = (InstanceState.JOINING, InstanceState.LIVE, InstanceState.DRAINING, InstanceState.STOPPED)
 
 
 @dataclass(frozen=True)
@@ -21,12 +40,12 @@ class HealthPolicy:
         # Two missed beats, plus slack for scheduling jitter on a busy host.
         return 2 * self.heartbeat_interval_s + 0.05
 
-    def classify(self, reported_state: str, beat_age_s: float) -> str:
+    def classify(self, reported_state: str, beat_age_s: float) -> InstanceState:
         """Health of an instance whose latest beat said ``reported_state``, ``beat_age_s`` ago."""
-        if reported_state == "stopped":
-            return "stopped"
+        if reported_state == InstanceState.STOPPED:
+            return InstanceState.STOPPED
         if beat_age_s > self.dead_after_s:
-            return "dead"
-        if reported_state == "live" and beat_age_s > self.suspect_after_s:
-            return "suspect"
-        return reported_state
+            return InstanceState.DEAD
+        if reported_state == InstanceState.LIVE and beat_age_s > self.suspect_after_s:
+            return InstanceState.SUSPECT
+        return InstanceState(reported_state)

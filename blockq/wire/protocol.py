@@ -221,6 +221,17 @@ class Request:
     assignment: Assignment | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The predictor's count where it ran; else the token ids, or for text a rough
+        count (about 4 characters a token) so that a request no predictor saw still has a
+        size to place and admit by."""
+        if self.prediction is not None:
+            return self.prediction.prompt_tokens
+        if isinstance(self.prompt, str):
+            return max(1, len(self.prompt) // 4)
+        return len(self.prompt)
+
     def with_prediction(self, prediction: Prediction) -> Request:
         return replace(self, prediction=prediction)
 

@@ -38,8 +38,9 @@ import numpy as np
 from blockq.engine_model import EngineConfig, StepLatencyModel
 from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.packed import PackedScheduler
+from blockq.wire.health import InstanceState
 
-STARTING, LIVE, DRAINING = "starting", "live", "draining"
+STARTING, LIVE, DRAINING = InstanceState.STARTING, InstanceState.LIVE, InstanceState.DRAINING
 
 
 @dataclass(frozen=True)

@@ -17,37 +17,11 @@ them compares what they want, not how fast they may move.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from blockq.config import ScalingRules
+
 UP, DOWN = "up", "down"
-
-
-@dataclass(frozen=True)
-class ScalingRules:
-    """Bounds, step and cooldowns; validated on construction (ValueError naming the field)."""
-
-    min_instances: int = 1
-    max_instances: int = 16
-    max_step_fraction: float = 0.2
-    cooldown_s: float = 300.0
-    reversal_hold_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.min_instances < 0:
-            raise ValueError(f"min_instances: must be >= 0 (got {self.min_instances})")
-        if self.max_instances < max(1, self.min_instances):
-            raise ValueError(f"max_instances: must be >= max(1, min_instances) (got {self.max_instances})")
-        if not 0 < self.max_step_fraction <= 1:
-            raise ValueError(f"max_step_fraction: must be in (0, 1] (got {self.max_step_fraction})")
-        if self.cooldown_s < 0:
-            raise ValueError(f"cooldown_s: must be >= 0 (got {self.cooldown_s})")
-        if self.reversal_hold_s < self.cooldown_s:
-            raise ValueError(f"reversal_hold_s: must be >= cooldown_s (got {self.reversal_hold_s})")
-
-    def max_step(self, current: int) -> int:
-        """The most instances one action may add or remove from a fleet of ``current``."""
-        return max(1, math.floor(self.max_step_fraction * current))
 
 
 @dataclass

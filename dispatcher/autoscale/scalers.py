@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from blockq.config import SCALERS
 from blockq.wire.protocol import Request
 from dispatcher.autoscale.arrival_forecast import ArrivalHistory
 from dispatcher.autoscale.futures import LIVE, FleetSnapshot, forecast_fleet, p99
@@ -47,7 +48,7 @@ from dispatcher.autoscale.rules import (
     apply_rules,
     blocked_by,
 )
-from dispatcher.replica import belief_of, prompt_tokens_of
+from dispatcher.replica import belief_of
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ class Autoscaler:
 
     def observe(self, request: Request, now_s: float) -> None:
         """A request reached the dispatcher at ``now_s``: its size as the replicas model it."""
-        self.scaler.observe(now_s, prompt_tokens_of(request), belief_of(request).remaining_target(0, "median"))
+        self.scaler.observe(now_s, request.num_prompt_tokens, belief_of(request).remaining_target(0, "median"))
 
     def due(self, now_s: float) -> bool:
         return self._next_at_s is None or now_s >= self._next_at_s
@@ -322,7 +323,6 @@ class Autoscaler:
         return decision
 
 
-SCALERS = ("static", "reactive", "predictive", "scheduled")
 DEFAULT_SCALERS = ("static", "reactive", "predictive")
 
 

@@ -42,6 +42,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from blockq.config import AutoscaleOptions
+from blockq.wire.health import InstanceState
 from blockq.wire.keys import DECISION_FIELD, Keys
 from blockq.wire.protocol import Request
 from dispatcher.autoscale import (
@@ -51,7 +52,6 @@ from dispatcher.autoscale import (
     Autoscaler,
     FleetSnapshot,
     ScalingDecision,
-    ScalingRules,
     drain_order,
     make_autoscaler,
 )
@@ -69,9 +69,7 @@ _NEW_TERM = object()
 def make_live_autoscaler(options: AutoscaleOptions, *, slo_ttft_s: float, seed: int = 0) -> Autoscaler:
     """The autoscaler ``options`` describe (:func:`dispatcher.autoscale.make_autoscaler`,
     the one the simulation runs). ``slo_ttft_s``: the TTFT objective it keeps."""
-    rules = ScalingRules(options.min_instances, options.max_instances, options.max_step_fraction,
-                         options.cooldown_s, options.reversal_hold_s)
-    return make_autoscaler(options.scaler, rules, cycle_s=options.cycle_s, startup_s=options.startup_s,
+    return make_autoscaler(options.scaler, options.rules, cycle_s=options.cycle_s, startup_s=options.startup_s,
                            slo_ttft_s=slo_ttft_s, seed=seed, max_decisions=NUM_DECISIONS_KEPT)
 
 
@@ -181,7 +179,7 @@ class AutoscalingService:
         self._asked_to_drain &= live
         if self.target is not None and len(live) <= self.target:
             self._asked_to_drain.clear()
-        num_joining = sum(1 for view in views if view.health in ("joining", "suspect"))
+        num_joining = sum(1 for view in views if view.health in (InstanceState.JOINING, InstanceState.SUSPECT))
         starting = starting_instances(self.target, len(live - self._asked_to_drain), num_joining,
                                       self._raised_at_s + self.options.startup_s)
         return with_draining(self.core.fleet_snapshot(now_s, starting, num_unplaced), self._asked_to_drain)

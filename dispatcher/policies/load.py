@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from blockq.wire.protocol import Request
 from dispatcher.cluster_view import InstanceView
 from dispatcher.policies.base import Decision
-from dispatcher.replica import prompt_tokens_of
 
 
 def pick_highest(candidates: Sequence[InstanceView], key: Callable[[InstanceView], float],
@@ -26,7 +25,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 def unseen_prompt_blocks(view: InstanceView) -> int:
     """KV blocks the requests assigned but not yet in a beat will need for their prompts."""
     block_size = int(view.heartbeat.engine_config.get("block_size", 16))
-    return sum(_blocks(prompt_tokens_of(r), block_size) for r in view.assigned_not_seen.values())
+    return sum(_blocks(r.num_prompt_tokens, block_size) for r in view.assigned_not_seen.values())
 
 
 class LeastKv:

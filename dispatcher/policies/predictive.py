@@ -16,7 +16,7 @@ from dispatcher.replica import InstanceReplica
 from dispatcher.what_if import OBJECTIVES, Forecast, forecast, forecast_ttft
 
 # Long-prompt lanes (measured on the paper's trace at 0.9 x Llumnix's capacity, 6 seeds:
-# P99 TTFT 570 -> 545 ms, mean 80.3 -> 80.4 ms; see the README's "Placement levers").
+# P99 TTFT 570 -> 545 ms, mean 80.3 -> 80.4 ms; see docs/decisions/placement.md, "The tail and the lanes kept for it").
 # A prompt of a few thousand tokens prefills in several chunks, and every decode running
 # beside it slows each chunk (a 3,800-token prompt: 711 ms alone, 783 ms beside 18
 # decodes): on a fleet balanced by load no instance is light when one arrives, and these

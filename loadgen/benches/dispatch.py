@@ -30,6 +30,7 @@ import numpy as np
 from blockq.config import Settings
 from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
 from blockq.wire.beats import Heartbeat, RequestProgress
+from blockq.wire.health import InstanceState
 from blockq.wire.keys import PAYLOAD_FIELD, Keys
 from blockq.wire.protocol import Prediction, Request, decode_request, encode
 from blockq.wire.streams import connect_async
@@ -82,7 +83,7 @@ def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at
                                request.num_generated_tokens, request.output_target_tokens,
                                request.output_target_tokens * 2)
 
-    return Heartbeat(instance_id=instance_id, state="live", seq=seq, sent_at_s=sent_at_s,
+    return Heartbeat(instance_id=instance_id, state=InstanceState.LIVE, seq=seq, sent_at_s=sent_at_s,
                      engine_time_s=scheduler.now_s, model="emulated", preset=preset,
                      engine_config=scheduler.config.to_dict(), latency_model=scheduler.latency_model.to_dict(),
                      num_used_blocks=scheduler.num_used_blocks,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blockq.wire.beats import Heartbeat
+from blockq.wire.health import InstanceState
 from blockq.wire.protocol import FinalRecord, Request
 from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.core import DispatcherCore, Held, Placed
@@ -163,7 +164,7 @@ class ClusterSimulation:
             self._pending_beats.append(beat)
             return
         self.core.apply_heartbeat(beat, self.now_s)
-        if beat.state != "live":  # it drains or stopped: its unread queue goes elsewhere
+        if beat.state != InstanceState.LIVE:  # it drains or stopped: its unread queue goes elsewhere
             for instance_id in self.core.refresh_health(self.now_s):
                 self._replace_queue(self.instances[instance_id])
         if self._held:
@@ -259,7 +260,7 @@ class ClusterSimulation:
             self._answer(final)
         self._start_step(instance)
         self._schedule_intake(instance)
-        if instance.state == "draining" and instance.is_idle:
+        if instance.state == InstanceState.DRAINING and instance.is_idle:
             self._stop(instance)
 
     def _schedule_intake(self, instance: SimulatedInstance) -> None:
@@ -273,15 +274,15 @@ class ClusterSimulation:
     def drain(self, instance: SimulatedInstance) -> None:
         """Stop the instance's intake (as SIGTERM does a worker's): what it runs finishes,
         its beats say ``draining``, then ``stopped`` once it is idle."""
-        if instance.state != "live":
+        if instance.state != InstanceState.LIVE:
             return
-        instance.state = "draining"
+        instance.state = InstanceState.DRAINING
         if instance.is_idle:
             self._stop(instance)
 
     def _stop(self, instance: SimulatedInstance) -> None:
         """The drained instance is done: its next beat says ``stopped`` and is its last."""
-        instance.state = "stopped"
+        instance.state = InstanceState.STOPPED
         self._on_stopped(instance)
 
     def _on_stopped(self, instance: SimulatedInstance) -> None:
@@ -291,7 +292,7 @@ class ClusterSimulation:
         instance = self.instances[instance_id]
         if instance.sent_last_beat:
             return
-        instance.sent_last_beat = instance.state == "stopped"
+        instance.sent_last_beat = instance.state == InstanceState.STOPPED
         beat = instance.heartbeat()
         num_blocks = instance.engine.config.num_gpu_blocks
         at_s = (self.now_s - self.config.warmup_s) / self.config.time_scale  # model time, as a replay samples

@@ -18,7 +18,7 @@ from dispatcher.policies import policy_spec
 from dispatcher.what_if import DEFAULT_OBJECTIVE, OBJECTIVES
 
 # One placement decision, ms (p50 of `blockq dispatch-bench --instances 16 --running 48
-# --waiting 20`, one core: see the README's decision-cost table). A policy not listed
+# --waiting 20`, one core: docs/results/decision-cost.md). A policy not listed
 # costs the simulating policies' figure when it simulates, else the static rules'.
 DECISION_COST_MS = {
     "round_robin": 0.003, "random": 0.004, "least_requests": 0.010, "least_kv": 0.021,

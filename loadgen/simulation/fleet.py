@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockq.wire.health import InstanceState
 from blockq.wire.protocol import Request
 from dispatcher.autoscale import LIVE, Autoscaler, ScalingDecision, drain_order
 from loadgen.simulation.cluster import _SCALE, ClusterSimulation
@@ -85,7 +86,7 @@ class AutoscaledSimulation(ClusterSimulation):
 
     def _shrink(self, instance: SimulatedInstance) -> None:
         if self._starting.pop(instance.instance_id, None) is not None:
-            instance.state = "stopped"  # cancelled before its first beat: it never beats
+            instance.state = InstanceState.STOPPED  # cancelled before its first beat: it never beats
             instance.sent_last_beat = True
             self._on_stopped(instance)
         else:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from blockq.engine_model import StepResult
 from blockq.wire.beats import Heartbeat
+from blockq.wire.health import InstanceState
 from blockq.wire.protocol import FinalRecord, Request
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 from workers.heartbeat import HeartbeatBuilder
@@ -56,7 +57,7 @@ class SimulatedInstance:
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     stepping: bool = False                 # a step is under way (its end is scheduled)
     intake_blocked_since_s: float | None = None  # the intake sleeps (no room) since then
-    state: str = "live"                    # what its beats say: live, draining (no intake), stopped
+    state: InstanceState = InstanceState.LIVE          # what its beats say: live, draining (no intake), stopped
     sent_last_beat: bool = False           # its ``stopped`` beat went out: it beats no more
     counters: InstanceCounters = field(default_factory=InstanceCounters)
     beats: HeartbeatBuilder = field(init=False)
@@ -84,7 +85,7 @@ class SimulatedInstance:
         to ``room()`` queued requests to the engine. Returns the final records of requests
         the engine refused (answered at once, as live)."""
         refused: list[FinalRecord] = []
-        if self.state != "live":  # a draining worker reads nothing new
+        if self.state != InstanceState.LIVE:  # a draining worker reads nothing new
             return refused
         num_queued = len(self.queue)
         while (room := self.room()) > 0 and self.queue:
@@ -117,7 +118,7 @@ class SimulatedInstance:
     def next_intake_check_s(self, now_s: float) -> float | None:
         """When the sleeping intake next looks and finds room, or None: it is not
         sleeping, or it would find no room yet."""
-        if self.intake_blocked_since_s is None or self.state != "live" or self.room() <= 0:
+        if self.intake_blocked_since_s is None or self.state != InstanceState.LIVE or self.room() <= 0:
             return None
         period_s = self.worker_options.idle_poll_ms / 1000 / 4
         elapsed_s = now_s - self.intake_blocked_since_s

@@ -20,7 +20,6 @@ from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS, continued_block_hashes
 from blockq.wire.protocol import Request
 from dispatcher.core import CoreStats
 from dispatcher.prefix_index import cached_tokens
-from dispatcher.replica import prompt_tokens_of
 
 
 def ideal_prefix_hit_rate(requests_in_arrival_order: Sequence[Request],
@@ -30,7 +29,7 @@ def ideal_prefix_hit_rate(requests_in_arrival_order: Sequence[Request],
     num_cached_tokens = num_prompt_tokens = 0
     for request in requests_in_arrival_order:
         hashes = request.prompt_block_hashes
-        prompt_tokens = prompt_tokens_of(request)
+        prompt_tokens = request.num_prompt_tokens
         num_prompt_tokens += prompt_tokens
         # Chained hashes: a block seen means every block before it was seen with it.
         num_blocks = 0
