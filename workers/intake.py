@@ -52,14 +52,8 @@ def engine_spec(request: Request) -> EngineRequestSpec:
     The emulated engine ends such a request there either way. The prompt's block hashes
     go along for the engine's prefix cache (:mod:`blockq.text.block_hashes`)."""
     prediction = request.prediction
-    if prediction is not None:
-        prompt_tokens = prediction.prompt_tokens
-    elif isinstance(request.prompt, str):
-        prompt_tokens = max(1, len(request.prompt) // 4)  # no predictor ran: a rough count
-    else:
-        prompt_tokens = len(request.prompt)
     return EngineRequestSpec(
-        request_id=request.id, prompt=request.prompt, prompt_tokens=prompt_tokens,
+        request_id=request.id, prompt=request.prompt, prompt_tokens=request.num_prompt_tokens,
         max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
         stop=request.stop, ignore_eos=request.ignore_eos or request.true_output_tokens is not None,
         min_tokens=request.min_tokens, true_output_tokens=request.true_output_tokens,

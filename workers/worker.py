@@ -43,6 +43,7 @@ import structlog
 
 from blockq.client import ReplyReader
 from blockq.config import Settings
+from blockq.wire.health import InstanceState
 from blockq.wire.keys import GROUP_WORK, PAYLOAD_FIELD
 from blockq.wire.output import ALREADY_FINAL, FENCED, WRITTEN
 from blockq.wire.protocol import Request, ValidationError, decode_request, encode
@@ -129,7 +130,7 @@ class InstanceWorker:
         """Serve until ``stop`` is set, then drain: finish what was started, then return.
         Raises :class:`WorkerFailed` when a loop died (the worker stopped without draining)."""
         await self.consumer.ensure_group()
-        await self.publish_heartbeat("joining")
+        await self.publish_heartbeat(InstanceState.JOINING)
         tasks = [asyncio.create_task(self._intake_loop(stop), name=f"intake-{self.instance_id}"),
                  asyncio.create_task(self._cancel_loop(stop), name=f"cancel-{self.instance_id}"),
                  asyncio.create_task(self._heartbeat_loop(), name=f"beat-{self.instance_id}")]
@@ -145,7 +146,7 @@ class InstanceWorker:
                 task.cancel()
             await asyncio.wait(tasks, timeout=5.0)
             try:
-                await self.publish_heartbeat("stopped")
+                await self.publish_heartbeat(InstanceState.STOPPED)
             except Exception as exc:  # Redis may be what failed: the original error matters more
                 log.warning("last_heartbeat_failed", instance=self.instance_id, error=repr(exc))
             log.info("worker_stopped", instance=self.instance_id, finished=self.stats.num_finished)
@@ -178,7 +179,7 @@ class InstanceWorker:
             if stop.is_set() and not self.draining:
                 self.draining = True
                 log.info("worker_draining", instance=self.instance_id, in_flight=len(self.in_flight))
-                await self.publish_heartbeat("draining")
+                await self.publish_heartbeat(InstanceState.DRAINING)
             if self.engine.has_unfinished_requests():
                 output = await self.engine.step()
                 if self._failure is not None:
@@ -465,7 +466,7 @@ class InstanceWorker:
         interval_s = self.settings.heartbeat_interval_ms / 1000
         while not self._stopping:
             try:
-                await self.publish_heartbeat("draining" if self.draining else "live")
+                await self.publish_heartbeat(InstanceState.DRAINING if self.draining else InstanceState.LIVE)
             except redis.ResponseError as exc:
                 # Redis refused the write (e.g. maxmemory reached) but is there: beat again
                 # next time. Lost connections still end the loop, and the worker with it.
