@@ -68,13 +68,6 @@ class HttpApiOptions:
                    max_max_tokens=limits.max_max_tokens, **overrides)  # fmt: skip
 
 
-@dataclass
-class StaticSlot:
-    """A :class:`PredictorSlot` holding one fixed predictor (no stage)."""
-
-    predictor: LengthPredictor
-
-
 class PredictRequestError(ValueError):
     """Invalid ``/predict`` input; ``field`` names what is wrong."""
 

@@ -42,7 +42,7 @@ from predictor_service.models import LengthPrediction, LengthPredictor, load_pre
 logger = structlog.get_logger(__name__)
 
 TRAINABLE_BACKENDS = ("fast", "transformer", "auto")
-# What ``auto`` trains and blends (the recommended configuration: see the README).
+# What ``auto`` trains and blends (the recommended configuration: docs/results/predictor-models.md).
 AUTO_MEMBERS = ("fast", "transformer")
 NUM_PROMPT_TOKEN_BINS = 10
 _PREDICT_BATCH_SIZE = 256

@@ -1,6 +1,6 @@
 """Synthetic ShareGPT files whose answer lengths follow the prompt text.
 
-For tests and smoke runs of ``train``/``eval`` without real data: each conversation's
+For the predictor tests that train and evaluate without real data: each conversation's
 prompt states (or implies) how long the answer is — "in N words", "list K ideas",
 "in one sentence", "briefly", "a detailed essay" — and the answer has about that
 length, with some noise. A model that reads the prompt can predict the length well;

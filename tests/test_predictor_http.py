@@ -16,7 +16,6 @@ from predictor_service.feedback import FeedbackConsumer, FeedbackOptions
 from predictor_service.http_api import (
     API_APP_KEY,
     HttpApiOptions,
-    StaticSlot,
     create_app,
     parse_predict_body,
 )
@@ -24,6 +23,7 @@ from predictor_service.models import LengthPrediction, PredictionInput
 from predictor_service.models.fast import FastLengthModel
 from predictor_service.quality import QualityMonitor
 from predictor_service.stage import PredictorStage
+from tests.predictor_helpers import StaticSlot
 from tests.test_predictor_stage import make_tiny_fast_model
 
 OPTIONS = HttpApiOptions(max_prompts=8, max_body_bytes=4096, max_prompt_chars=1000, max_max_tokens=2048)

@@ -19,10 +19,9 @@ from predictor_service.models.ensemble import choose_weight  # noqa: E402
 from predictor_service.models.transformer import (  # noqa: E402
     HeadTailEncoder,
     TransformerTrainConfig,
-    build_word_tokenizer,
-    create_fresh_encoder,
     train_transformer,
 )
+from tests.predictor_helpers import build_word_tokenizer, create_fresh_encoder  # noqa: E402
 from tests.predictor_synthetic import make_synthetic_sharegpt  # noqa: E402
 
 TINY = {

@@ -50,13 +50,14 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 @pytest.fixture(scope="module")
 def blockq_on_cluster(redis_cluster: RedisClusterTopology,
                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """``blockq up`` on the cluster: 2 instances, gateway, batch worker; always torn down."""
+    """``blockq up`` on the cluster: 2 instances placed by the ``block`` policy, gateway,
+    batch worker; always torn down."""
     state_dir = tmp_path_factory.mktemp("blockq-on-cluster") / "state"
     env = {"BLOCKQ_STATE_DIR": str(state_dir), "BLOCKQ_REDIS_URL": redis_cluster.url, "BLOCKQ_KEY_PREFIX": PREFIX}
     try:
-        up = run_blockq("up", "--instances", "2", "--time-scale", "0.1", "--gateway", "--gateway-port",
-                        str(free_port()), "--batch-worker", "--metrics-base-port", "0", "--detach", "--json",
-                        env=env)
+        up = run_blockq("up", "--instances", "2", "--policy", "block", "--time-scale", "0.1", "--gateway",
+                        "--gateway-port", str(free_port()), "--batch-worker", "--metrics-base-port", "0",
+                        "--detach", "--json", env=env)
         assert up.returncode == 0, up.stderr + up.stdout
         report = json.loads(up.stdout)
         state = ClusterState.read(state_dir)
@@ -151,7 +152,8 @@ def test_the_whole_path_runs_on_the_cluster(blockq_on_cluster: dict[str, Any], t
         assert final.status == "ok", final
         assert "".join(c.text for c in chunks) == final.text
         assert final.output_tokens == sum(c.num_tokens for c in chunks)
-        assert final.predicted_ttft_ms is not None or final.instance
+        # predicted and placed: the predictor's length and block's TTFT forecast reached the record
+        assert final.predicted_output_tokens is not None and final.predicted_ttft_ms is not None, final
     assert {final.instance for _, final in results} == {"inst-0", "inst-1"}
     with connect(settings.redis_url) as cluster_client:  # the services wrote to the cluster
         assert cluster_client.xlen(settings.keys.done) >= 80

@@ -25,7 +25,7 @@ from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.precomputed_refinements import refine_sample
 from loadgen.simulation.single_run import simulate_run
 from loadgen.simulation.workload import annotate_sample, sample_trace
-from predictor_service.http_api import StaticSlot, create_app
+from predictor_service.http_api import create_app
 from predictor_service.models import load_predictor
 from predictor_service.models.fast import FastConfig
 from predictor_service.models.refine import RefineInput, RefineModel
@@ -35,6 +35,7 @@ from predictor_service.refine_training import RefineTrainOptions, train_refine_f
 from predictor_service.training import train
 from tests.conftest import wait_until
 from tests.factories import list_conversations, make_heartbeat, make_request
+from tests.predictor_helpers import StaticSlot
 from tests.predictor_synthetic import write_sharegpt
 from workers.engines.base import EngineRequestSpec
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions

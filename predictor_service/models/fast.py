@@ -9,7 +9,7 @@ Target: ln(output tokens). Three LightGBM models with the quantile (pinball) obj
 at alpha 0.1, 0.5 and 0.9 give p10, p50 and p90 in log space; since quantiles commute
 with the monotone ln, exp() of them are the quantiles in tokens, and the p50 is the
 estimate that minimises the absolute error in tokens. p10/p90 are then shifted by
-conformal offsets (see :mod:`predictor_service.models.fast_fit`).
+conformal offsets (see :mod:`predictor_service.models.quantile_boosting`).
 
 Model directory: ``manifest.json``, ``booster_p10.txt``/``booster_p50.txt``/
 ``booster_p90.txt`` (LightGBM text format), ``spread_offsets.json`` and the text score
@@ -90,6 +90,7 @@ class FastConfig:
     ``conversation_features`` (``train --multi-turn`` sets it): a prompt rendered as a
     conversation is read as its new message, which the prompt features and the text score
     describe, plus its history's lengths (:mod:`predictor_service.conversation`).
+    Training reads these through :mod:`predictor_service.models.quantile_boosting`.
     """
 
     num_rounds: int = 400
@@ -123,29 +124,9 @@ class FastConfig:
             **values, text_score=TextScoreConfig(**text_score) if text_score is not None else None
         )
 
-    def num_rounds_for(self, quantile: float) -> int:
-        """Boosting rounds of the model of one ``quantile`` (spread models are smaller)."""
-        return self.num_rounds if quantile == 0.5 else self.spread_num_rounds
-
-    def lightgbm_params(self, quantile: float, seed: int) -> dict[str, Any]:
-        """LightGBM parameters for the model of one ``quantile``."""
-        is_median = quantile == 0.5
-        return {
-            "objective": "quantile",
-            "alpha": quantile,
-            "learning_rate": self.learning_rate if is_median else self.spread_learning_rate,
-            "num_leaves": self.num_leaves,
-            "min_data_in_leaf": self.min_data_in_leaf
-            if is_median
-            else self.spread_min_data_in_leaf,
-            "feature_fraction": self.feature_fraction,
-            "bagging_fraction": self.bagging_fraction,
-            "bagging_freq": 1 if self.bagging_fraction < 1.0 else 0,
-            "num_threads": self.num_threads,
-            "seed": seed,
-            "deterministic": True,
-            "verbose": -1,
-        }
+    def min_data_in_leaf_for(self, quantile: float) -> int:
+        """Minimum rows per leaf of the model of one ``quantile`` (p10/p90: ``spread_*``)."""
+        return self.min_data_in_leaf if quantile == 0.5 else self.spread_min_data_in_leaf
 
 
 def _version_of(

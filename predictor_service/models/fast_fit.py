@@ -24,6 +24,11 @@ from predictor_service.models.fast import (
     FastLengthModel,
     model_texts,
 )
+from predictor_service.models.quantile_boosting import (
+    conformal_log_offsets,
+    quantile_lightgbm_params,
+    train_quantile_booster,
+)
 from predictor_service.text_score import TextScoreModel, fit_text_score
 
 logger = structlog.get_logger(__name__)
@@ -57,7 +62,7 @@ def train_fast(
     featurizer = FastFeaturizer(settings, text_model)
     matrix = featurizer.transform(prompts, prompt_tokens, num_turns, text_scores=out_of_fold)
     boosters = {
-        quantile: _train_booster(matrix, log_targets, quantile, settings, seed)
+        quantile: train_quantile_booster(matrix, log_targets, quantile, settings, seed)
         for quantile in QUANTILES
     }
     return FastLengthModel(
@@ -68,47 +73,22 @@ def train_fast(
     )
 
 
-def _train_booster(
-    matrix: npt.NDArray[np.float32],
-    log_targets: npt.NDArray[np.float64],
-    quantile: float,
-    settings: FastConfig,
-    seed: int,
-) -> lightgbm.Booster:
-    return lightgbm.train(
-        settings.lightgbm_params(quantile, seed),
-        lightgbm.Dataset(matrix, log_targets),
-        num_boost_round=settings.num_rounds_for(quantile),
-    )
-
-
 def _spread_log_offsets(
     matrix: npt.NDArray[np.float32],
     log_targets: npt.NDArray[np.float64],
     settings: FastConfig,
     seed: int,
 ) -> tuple[float, float]:
-    """Conformal shifts (ln tokens) that make p10/p90 cover 10 % / 90 % out of sample.
+    """Conformal p10/p90 shifts (ln tokens) over ``num_calibration_folds`` shuffled folds.
 
-    Quantile trees fitted on the same rows they are scored on are too narrow. Each
-    fold's p10/p90 models are fitted on the other folds; the shift of p10 is the 10th
-    percentile of ln(true) - ln(p10) over the held-out rows (and of p90 the 90th), so
-    that, shifted, the out-of-fold p10 is undercut by 10 % of the rows. (0, 0) when
-    calibration is off or there are fewer than 50 rows.
+    See :func:`~predictor_service.models.quantile_boosting.conformal_log_offsets`.
+    (0, 0) when calibration is off or there are fewer than 50 rows.
     """
     num_folds = settings.num_calibration_folds
     if num_folds < 2 or len(log_targets) < 50:
         return (0.0, 0.0)
-    residuals = {quantile: np.empty(len(log_targets)) for quantile in (0.1, 0.9)}
-    folds = KFold(num_folds, shuffle=True, random_state=seed)
-    for train_index, test_index in folds.split(matrix):
-        for quantile, fold_residuals in residuals.items():
-            booster = _train_booster(
-                matrix[train_index], log_targets[train_index], quantile, settings, seed
-            )
-            predicted = booster.predict(matrix[test_index], num_threads=settings.num_threads)
-            fold_residuals[test_index] = log_targets[test_index] - predicted
-    return (float(np.quantile(residuals[0.1], 0.1)), float(np.quantile(residuals[0.9], 0.9)))
+    folds = KFold(num_folds, shuffle=True, random_state=seed).split(matrix)
+    return conformal_log_offsets(matrix, log_targets, folds, settings, seed)
 
 
 def refit_fast(
@@ -143,7 +123,7 @@ def refit_fast(
     min_data_in_leaf = max(5, len(truths) // 20)
     boosters = {}
     for quantile in QUANTILES:
-        params = previous.config.lightgbm_params(quantile, seed)
+        params = quantile_lightgbm_params(previous.config, quantile, seed)
         params.update(min_data_in_leaf=min_data_in_leaf, min_data_in_bin=1)
         boosters[quantile] = lightgbm.train(
             params,

@@ -11,24 +11,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightgbm
 import numpy as np
 import numpy.typing as npt
 import structlog
 from sklearn.model_selection import GroupKFold
 
+from predictor_service.models.quantile_boosting import (
+    conformal_log_offsets,
+    train_quantile_booster,
+)
 from predictor_service.models.refine import QUANTILES, RefineModel
 from predictor_service.models.refine_features import ALL_FEATURE_NAMES, RefineFeaturizer
 from predictor_service.text_score import TextScoreConfig, TextScoreModel, fit_tfidf_ridge
 
 logger = structlog.get_logger(__name__)
 
+
 @dataclass(frozen=True)
 class RefineFitConfig:
     """LightGBM settings of the refinement model (p50: ``num_rounds``; p10/p90: spread).
 
     ``feature_names`` are the columns used (default: all). ``tail_score`` None drops the
-    tail bag-of-words score. ``num_threads`` 0 lets LightGBM use every core.
+    tail bag-of-words score. ``num_threads`` 0 lets LightGBM use every core. Training
+    reads these through :mod:`predictor_service.models.quantile_boosting`.
     """
 
     num_rounds: int = 500
@@ -46,23 +51,9 @@ class RefineFitConfig:
         default_factory=lambda: TextScoreConfig(max_terms=30_000, num_folds=3)
     )
 
-    def lightgbm_params(self, quantile: float, seed: int) -> dict[str, Any]:
-        """LightGBM parameters for the model of one ``quantile``."""
-        is_median = quantile == 0.5
-        return {
-            "objective": "quantile",
-            "alpha": quantile,
-            "learning_rate": self.learning_rate if is_median else self.spread_learning_rate,
-            "num_leaves": self.num_leaves,
-            "min_data_in_leaf": self.min_data_in_leaf,
-            "feature_fraction": self.feature_fraction,
-            "bagging_fraction": self.bagging_fraction,
-            "bagging_freq": 1 if self.bagging_fraction < 1.0 else 0,
-            "num_threads": self.num_threads,
-            "seed": seed,
-            "deterministic": True,
-            "verbose": -1,
-        }
+    def min_data_in_leaf_for(self, quantile: float) -> int:
+        """Minimum rows per leaf of the model of one ``quantile`` (the same for all three)."""
+        return self.min_data_in_leaf
 
 
 def _group_folds(num_folds: int, groups: npt.NDArray[np.int64]) -> list[tuple[Any, Any]]:
@@ -88,21 +79,6 @@ def out_of_fold_tail_scores(
     return full_model, scores
 
 
-def _train_booster(
-    matrix: npt.NDArray[np.float32],
-    log_targets: npt.NDArray[np.float64],
-    quantile: float,
-    config: RefineFitConfig,
-    seed: int,
-) -> lightgbm.Booster:
-    rounds = config.num_rounds if quantile == 0.5 else config.spread_num_rounds
-    return lightgbm.train(
-        config.lightgbm_params(quantile, seed),
-        lightgbm.Dataset(matrix, log_targets),
-        num_boost_round=rounds,
-    )
-
-
 def spread_log_offsets(
     matrix: npt.NDArray[np.float32],
     log_targets: npt.NDArray[np.float64],
@@ -110,24 +86,16 @@ def spread_log_offsets(
     config: RefineFitConfig,
     seed: int,
 ) -> tuple[float, float]:
-    """Conformal shifts (ln tokens) of p10/p90 from answer-grouped out-of-fold residuals.
+    """Conformal p10/p90 shifts (ln tokens) over ``num_calibration_folds`` answer folds.
 
-    In-sample quantile trees are too narrow; as in ``fast``, the p10 shift is the 10th
-    percentile of ln(true) - ln(p10) over held-out rows (p90: the 90th). (0, 0) when
-    calibration is off or there are too few answers.
+    See :func:`~predictor_service.models.quantile_boosting.conformal_log_offsets`.
+    (0, 0) when calibration is off or there are fewer than 10 answers per fold.
     """
     num_folds = config.num_calibration_folds
     if num_folds < 2 or len(np.unique(groups)) < 10 * num_folds:
         return (0.0, 0.0)
-    residuals = {quantile: np.empty(len(log_targets)) for quantile in (0.1, 0.9)}
-    for train_index, test_index in _group_folds(num_folds, groups):
-        for quantile, fold_residuals in residuals.items():
-            booster = _train_booster(
-                matrix[train_index], log_targets[train_index], quantile, config, seed
-            )
-            predicted = booster.predict(matrix[test_index], num_threads=config.num_threads)
-            fold_residuals[test_index] = log_targets[test_index] - predicted
-    return (float(np.quantile(residuals[0.1], 0.1)), float(np.quantile(residuals[0.9], 0.9)))
+    folds = _group_folds(num_folds, groups)
+    return conformal_log_offsets(matrix, log_targets, folds, config, seed)
 
 
 def train_refine(
@@ -163,7 +131,7 @@ def train_refine(
     featurizer = RefineFeaturizer(names, tail_model)
     matrix = matrix[:, [ALL_FEATURE_NAMES.index(name) for name in names]]
     boosters = {
-        quantile: _train_booster(matrix, log_targets, quantile, settings, seed)
+        quantile: train_quantile_booster(matrix, log_targets, quantile, settings, seed)
         for quantile in QUANTILES
     }
     offsets = spread_log_offsets(matrix, log_targets, group_ids, settings, seed)

@@ -47,7 +47,7 @@ TOKENS_PER_BATCH = 2048  # padded word pieces per inference batch
 
 @dataclass(frozen=True)
 class TransformerTrainConfig:
-    """Fine-tuning settings (the defaults are the measured recipe: see the README).
+    """Fine-tuning settings (the defaults are the measured recipe: docs/decisions/predictor.md).
     ``max_steps`` (optimizer steps) cuts training short; ``bf16``: autocast to bfloat16
     (a GPU's choice; see the module docstring)."""
 
@@ -348,39 +348,3 @@ def _length_bucketed_batches(ids: Sequence[Sequence[int]], batch_size: int,
         batches.extend(np.asarray(part[k:k + batch_size]) for k in range(0, len(part), batch_size))
     return [batches[k] for k in rng.permutation(len(batches))]
 
-
-def create_fresh_encoder(out_dir: str | os.PathLike[str], tokenizer: Any, **config_overrides: Any) -> Path:
-    """Write a randomly initialised RoBERTa encoder checkpoint into ``out_dir`` (for tests
-    and speed measurements where no pretrained weights exist). ``config_overrides`` go
-    to ``RobertaConfig``, e.g. ``hidden_size=32, num_hidden_layers=2``."""
-    import torch
-    from transformers import RobertaConfig, RobertaModel
-
-    settings: dict[str, Any] = {"vocab_size": len(tokenizer), "max_position_embeddings": 514,
-                                "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 1}
-    settings.update(config_overrides)
-    torch.manual_seed(int(settings.pop("seed", 0)))
-    directory = Path(out_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    RobertaModel(RobertaConfig(**settings), add_pooling_layer=False).save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-    return directory
-
-
-def build_word_tokenizer(texts: Sequence[str], vocab_size: int = 5000) -> Any:
-    """A small word-level Hugging Face tokenizer fitted on ``texts`` (for fresh models in
-    tests): lower-cased words and punctuation, RoBERTa's special tokens in its order."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    special_tokens = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    word_tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    word_tokenizer.normalizer = normalizers.Lowercase()
-    word_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    word_tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=vocab_size,
-                                                                         special_tokens=special_tokens))
-    word_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
-    return PreTrainedTokenizerFast(tokenizer_object=word_tokenizer, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
-                                   cls_token="<s>", sep_token="</s>")
