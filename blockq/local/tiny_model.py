@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from blockq.text.tokenizer import mistral_v1_model_path
@@ -37,6 +37,16 @@ class TinyModelShape:
                 raise ValueError(f"{name}: must be >= 1")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size: must be a multiple of num_heads ({self.num_heads})")
+
+
+# Named shapes. ``small`` is what the tests run (the engine's behaviour, cheaply); ``medium``
+# is large enough that compute, not per-step overhead, sets a step's time on one CPU thread:
+# a 512-token prefill chunk costs several times a 16-sequence decode step, so a latency
+# model fitted to it must get the shape right, not just a constant (docs/engines.md).
+SIZES = {
+    "small": TinyModelShape(),
+    "medium": TinyModelShape(num_layers=4, hidden_size=768, num_heads=12, intermediate_size=1536),
+}
 
 
 def write_tiny_model(out_dir: Path, shape: TinyModelShape = TinyModelShape()) -> Path:
@@ -66,18 +76,29 @@ def write_tiny_model(out_dir: Path, shape: TinyModelShape = TinyModelShape()) ->
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tiny-model", help="write a small random-weight Llama checkpoint with a real tokenizer")
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--layers", type=int, default=TinyModelShape.num_layers)
-    p.add_argument("--hidden-size", type=int, default=TinyModelShape.hidden_size)
+    p.add_argument("--size", choices=sorted(SIZES), default="small",
+                   help="a named shape (small: what the tests run; medium: a step's time set by compute); "
+                        "--layers / --hidden-size override it")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=TinyModelShape.max_position_embeddings)
     p.add_argument("--seed", type=int, default=TinyModelShape.seed)
     p.set_defaults(handler=_cmd_tiny_model)
 
 
+def shape_from_args(args: argparse.Namespace) -> TinyModelShape:
+    """The named ``--size``, with ``--layers`` / ``--hidden-size`` laid over it."""
+    shape = replace(SIZES[args.size], max_position_embeddings=args.max_model_len, seed=args.seed)
+    if args.layers is not None:
+        shape = replace(shape, num_layers=args.layers)
+    if args.hidden_size is not None:  # heads of 64, the size vLLM's CPU attention runs well
+        shape = replace(shape, hidden_size=args.hidden_size, num_heads=max(1, args.hidden_size // 64),
+                        intermediate_size=2 * args.hidden_size)
+    return shape
+
+
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     started_s = time.monotonic()
-    shape = TinyModelShape(num_layers=args.layers, hidden_size=args.hidden_size,
-                           num_heads=max(1, args.hidden_size // 64), intermediate_size=2 * args.hidden_size,
-                           max_position_embeddings=args.max_model_len, seed=args.seed)
-    out_dir = write_tiny_model(args.out_dir, shape)
+    out_dir = write_tiny_model(args.out_dir, shape_from_args(args))
     print(f"tiny model in {out_dir} ({time.monotonic() - started_s:.1f} s)")
     return 0
