@@ -52,18 +52,19 @@ def test_blocks_filled_by_the_output_are_cached_and_hit_by_a_prompt_that_repeats
         assert step(scheduler).num_prefill_tokens == expected_prefill
 
 
-def test_an_output_block_is_cached_only_once_computed() -> None:
+def test_an_output_block_is_cached_once_the_step_that_fills_it_is_scheduled() -> None:
+    """As vLLM caches it (``allocate_slots`` -> ``cache_blocks``): a request admitted later in
+    the step whose scheduled tokens fill a block already hits that block; one step before,
+    only the blocks already full count."""
     scheduler = make_scheduler(block_size=4, num_gpu_blocks=32, max_model_len=64, enable_prefix_caching=True)
     add(scheduler, "turn-1", 6, 7, prefix_block_hashes=(11, 12, 13))
     step(scheduler)  # the prefill: 6 tokens computed, 1 block full
-    step(scheduler)  # one decode: 7 computed
     probe = scheduler.clone()
     add(probe, "probe", 14, 1, prefix_block_hashes=(11, 12, 13))
-    result = step(probe)
-    assert result.num_prefill_tokens == 14 - 4  # only the prompt's block
-    step(scheduler)  # 8 computed: the second block is full now
+    assert step(probe).num_prefill_tokens == 14 - 4  # turn-1's decode schedules token 7: block 2 not full
+    step(scheduler)  # one decode: 7 computed
     add(scheduler, "probe", 14, 1, prefix_block_hashes=(11, 12, 13))
-    assert step(scheduler).num_prefill_tokens == 14 - 8
+    assert step(scheduler).num_prefill_tokens == 14 - 8  # turn-1's decode, scheduled first, fills block 2
 
 
 # --- the emulated engine and its beats -------------------------------------------------------

@@ -124,17 +124,16 @@ class BlockPool:
         request.num_hashed_blocks = num_hits
         request.num_computed_tokens = num_hits * self.block_size
 
-    def register_computed(self, request: EngineRequest) -> None:
-        """Register the request's newly completed blocks (prompt, or output where its hashes
-        cover it) under their hashes.
+    def register_computed(self, request: EngineRequest, num_tokens: int) -> None:
+        """Register the request's full blocks among its first ``num_tokens`` tokens (prompt,
+        or output where its hashes cover it) under their hashes; vLLM's ``cache_blocks``,
+        called when those tokens are scheduled.
 
         A hash already held by another request (two identical prefixes computed at once)
-        stops registration: the duplicate stays private to this request, as in vLLM,
-        where only the first copy enters the cache.
+        stops registration: the duplicate stays private to this request.
         """
         hashes = request.prefix_block_hashes
-        num_full = min(len(hashes), request.num_computed_tokens // self.block_size,
-                       request.num_blocks)
+        num_full = min(len(hashes), num_tokens // self.block_size, request.num_blocks)
         holders = self.hash_to_num_holders
         index = request.num_hashed_blocks
         while index < num_full:

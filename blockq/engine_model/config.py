@@ -19,8 +19,12 @@ class EngineConfig:
       ``max_num_seqs``, as vLLM requires, so every running decode fits in one step.
     * ``max_model_len``: most tokens (prompt + output) of one request; its blocks must fit
       in the cache beside the watermark, so that a request alone can always run to the end.
-    * ``watermark``: fraction of blocks kept free when admitting new prefills.
+    * ``watermark``: fraction of blocks kept free when admitting a request beside running
+      ones (vLLM's default is 0.0).
     * ``enable_prefix_caching``: reuse cached KV blocks of identical leading prompt blocks.
+    * ``long_prefill_token_threshold``: most tokens one request is scheduled in a step
+      while other requests are running or waiting (vLLM's; 0 = no cap); at most
+      ``max_model_len``.
 
     Raises:
         ValueError: naming the field and its limit, when a value is out of range.
@@ -33,6 +37,7 @@ class EngineConfig:
     max_model_len: int = 4096
     watermark: float = 0.01
     enable_prefix_caching: bool = False
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -50,6 +55,11 @@ class EngineConfig:
             raise ValueError(f"watermark: must be in [0, 1) (got {self.watermark})")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError("enable_prefix_caching: must be a bool")
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) \
+                or not 0 <= threshold <= self.max_model_len:
+            raise ValueError(f"long_prefill_token_threshold: must be an int in "
+                             f"[0, max_model_len={self.max_model_len}] (got {threshold!r})")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens: must be >= max_num_seqs ({self.max_num_seqs}) "

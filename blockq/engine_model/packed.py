@@ -54,7 +54,8 @@ class PackedScheduler:
         self.clock = np.array([float(now_s)])
         self.request_ids: list[str] = []
         self._config_array = np.array([config.block_size, config.max_num_seqs,
-                                       config.max_num_batched_tokens, config.watermark_blocks], np.int64)
+                                       config.max_num_batched_tokens, config.watermark_blocks,
+                                       config.long_prefill_token_threshold], np.int64)
         self._latency_array, self._linear_table_s = _latency_arrays(latency_model)
 
     @classmethod

@@ -20,6 +20,7 @@ from blockq.engine_model.packed_layout import (
     FINISHED,
     FIRST_TOKEN,
     GENERATED,
+    LONG_PREFILL_THRESHOLD,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     NUM_PREEMPTIONS,
@@ -85,18 +86,23 @@ def _could_empty_queue(requests: np.ndarray, waiting: np.ndarray, counters: np.n
                        config: np.ndarray) -> bool:
     """False when the next step cannot admit the whole waiting queue. A step admits at
     most the free sequence slots (and none once it preempted); and admission goes on only
-    while token budget is left, each row but the last taking all its tokens (a waiting row
-    has none computed), so the queue empties only if those rows fit under the budget. The
-    check stops as soon as the budget is exceeded: a long queue costs a few rows."""
+    while token budget is left, each row but the last taking all its tokens, or the
+    long-prefill cap of them (a waiting row has none computed), so the queue empties only
+    if those rows fit under the budget. The check stops as soon as the budget is
+    exceeded: a long queue costs a few rows."""
     num_waiting = counters[NUM_WAITING]
     if num_waiting > config[MAX_NUM_SEQS] - counters[NUM_RUNNING]:
         return False
     capacity = waiting.shape[0]
     budget = config[MAX_NUM_BATCHED_TOKENS]
+    threshold = config[LONG_PREFILL_THRESHOLD]
     num_tokens = 0
     for k in range(num_waiting - 1):
         row = waiting[(counters[WAITING_HEAD] + k) % capacity]
-        num_tokens += requests[row, PROMPT] + requests[row, GENERATED]
+        num_row_tokens = requests[row, PROMPT] + requests[row, GENERATED]
+        if 0 < threshold < num_row_tokens:
+            num_row_tokens = threshold  # more than one row waits: the cap applies
+        num_tokens += num_row_tokens
         if num_tokens >= budget:
             return False
     return True
@@ -114,7 +120,9 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
     and stops at the first head that does not fit, never skipping one; preempted rows
     re-enter at the head, ahead of everyone. So a row appended at the tail is looked at
     only in a step that admits every row ahead of it, that is, a step after which the
-    queue without it is empty. Phases 1 and 2 read only the running rows. Every step
+    queue without it is empty. Phase 1 reads only the running rows, and the long-prefill
+    cap is on with or without the appended row whenever a row waits beside a running one
+    (alone, the one waiting row is always admitted: that step empties the queue). Every step
     before that first emptying step therefore runs the same with or without the appended
     row, and the appended row is still waiting, untouched, at its boundary (the emptying
     step itself may or may not look at it: its budget or sequence slots may run out

@@ -33,14 +33,16 @@ from blockq.engine_model.packed_step import ceil_div, step_seconds
 @njit(cache=True)
 def admits_next(requests: np.ndarray, waiting: np.ndarray, counters: np.ndarray, config: np.ndarray,
                 num_running: int, num_free_blocks: int, num_new_blocks: int) -> bool:
-    """Whether the next step's phase 3 would admit the waiting head, given the running
-    rows (all decoding) and the blocks their decodes take in that step."""
+    """Whether the next step's phase 2 would admit the waiting head, given the running
+    rows (all decoding) and the blocks their decodes take in that step: budget and a
+    slot left, and the head's whole request fitting beside the watermark."""
     budget = config[MAX_NUM_BATCHED_TOKENS] - num_running
     if counters[NUM_WAITING] == 0 or budget <= 0 or num_running >= config[MAX_NUM_SEQS]:
         return False
     head = waiting[counters[WAITING_HEAD]]
-    num_needed = ceil_div(min(requests[head, PROMPT] + requests[head, GENERATED], budget), config[BLOCK_SIZE])
-    return num_free_blocks - num_new_blocks - num_needed >= config[WATERMARK_BLOCKS]
+    num_needed = ceil_div(requests[head, PROMPT] + requests[head, GENERATED], config[BLOCK_SIZE])
+    watermark_blocks = config[WATERMARK_BLOCKS] if num_running > 0 else 0
+    return num_free_blocks - num_new_blocks - num_needed >= watermark_blocks
 
 
 @njit(cache=True)

@@ -1,5 +1,5 @@
 """One engine step over packed state, compiled: :class:`StepBuilder`'s phases (running
-decodes, running prefill chunks, FCFS admission, execution) on the arrays laid out in
+requests in order, FCFS admission, execution) on the arrays laid out in
 :mod:`.packed_layout`, in the same order of floating-point operations as
 :meth:`EngineScheduler.step`, so that times come out equal, not just close."""
 
@@ -18,6 +18,7 @@ from blockq.engine_model.packed_layout import (
     GENERATED,
     KV_TOKEN_S,
     LINEAR_SCALE,
+    LONG_PREFILL_THRESHOLD,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     NUM_FREE_BLOCKS,
@@ -59,20 +60,14 @@ def ceil_div(a: int, b: int) -> int:
 
 @njit(cache=True)
 def _reserve_blocks(row: int, num_blocks: int, requests: np.ndarray, running: np.ndarray,
-                    waiting: np.ndarray, counters: np.ndarray, scheduled: np.ndarray,
-                    new_tokens: np.ndarray, preempted: np.ndarray) -> tuple[bool, int]:
+                    waiting: np.ndarray, counters: np.ndarray, preempted: np.ndarray) -> bool:
     """Allocate blocks for a running row, preempting from the end of ``running`` until
-    they fit. Returns (False if the row itself was preempted, budget given back)."""
-    budget_back = 0
+    they fit (victims lie beyond ``row``, so none is scheduled yet). Returns False if
+    the row itself was preempted."""
     capacity = waiting.shape[0]
     while num_blocks > counters[NUM_FREE_BLOCKS]:
         counters[NUM_RUNNING] -= 1
         victim = running[counters[NUM_RUNNING]]
-        if scheduled[victim] == _DECODE:
-            budget_back += 1
-        elif scheduled[victim] == _PREFILL:
-            budget_back += new_tokens[victim]
-        scheduled[victim] = _NOT_SCHEDULED
         counters[NUM_FREE_BLOCKS] += requests[victim, BLOCKS]
         requests[victim, BLOCKS] = 0
         requests[victim, COMPUTED] = 0
@@ -83,10 +78,18 @@ def _reserve_blocks(row: int, num_blocks: int, requests: np.ndarray, running: np
         counters[NUM_PREEMPTIONS] += 1
         preempted[victim] = True
         if victim == row:
-            return False, budget_back
+            return False
     counters[NUM_FREE_BLOCKS] -= num_blocks
     requests[row, BLOCKS] += num_blocks
-    return True, budget_back
+    return True
+
+
+@njit(cache=True)
+def capped_new_tokens(num_tokens: int, threshold: int, budget: int) -> int:
+    """Tokens a request lacking ``num_tokens`` gets: the long-prefill cap, then the budget."""
+    if 0 < threshold < num_tokens:
+        num_tokens = threshold
+    return min(num_tokens, budget)
 
 
 @njit(cache=True)
@@ -98,97 +101,113 @@ def step(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: 
 
     ``scheduled`` / ``new_tokens`` / ``preempted`` (per row) and ``decodes`` / ``prefills``
     (row lists) are scratch space, left clean for the next step."""
-    block_size = config[BLOCK_SIZE]
-    capacity = waiting.shape[0]
-    budget = config[MAX_NUM_BATCHED_TOKENS]
     num_preempted = counters[NUM_PREEMPTIONS]
-    # Phase 1: running decodes; rows still prefilling are kept (in order) in `prefills`
-    # for phase 2, then the list is rebuilt with the chunks actually scheduled.
+    # vLLM lifts the long-prefill cap when one request is alone.
+    threshold = config[LONG_PREFILL_THRESHOLD] if counters[NUM_RUNNING] + counters[NUM_WAITING] > 1 else 0
+    budget, num_decodes, num_prefills = _schedule_running(
+        requests, running, waiting, counters, config, threshold, scheduled, new_tokens, preempted,
+        decodes, prefills)
+    if counters[NUM_PREEMPTIONS] == num_preempted:
+        num_prefills = _admit_waiting(requests, times, running, waiting, counters, clock, config,
+                                      threshold, budget, scheduled, new_tokens, prefills, num_prefills)
+    _execute(requests, times, running, counters, clock, latency, linear_table_s, scheduled,
+             new_tokens, decodes, num_decodes, prefills, num_prefills)
+    # Rows preempted this step are the only waiting ones marked: they were pushed to the
+    # head, and no admission followed (phase 2 is skipped after a preemption); they were
+    # never scheduled, so their `scheduled` mark is clear.
+    capacity = waiting.shape[0]
+    for k in range(counters[NUM_PREEMPTIONS] - num_preempted):
+        preempted[waiting[(counters[WAITING_HEAD] + k) % capacity]] = False
+
+
+@njit(cache=True)
+def _schedule_running(requests: np.ndarray, running: np.ndarray, waiting: np.ndarray,
+                      counters: np.ndarray, config: np.ndarray, threshold: int,
+                      scheduled: np.ndarray, new_tokens: np.ndarray, preempted: np.ndarray,
+                      decodes: np.ndarray, prefills: np.ndarray) -> tuple[int, int, int]:
+    """Phase 1: running rows in running order, until the budget or the blocks run out.
+    Returns the budget left, and the decodes and prefill chunks listed."""
+    block_size = config[BLOCK_SIZE]
+    budget = config[MAX_NUM_BATCHED_TOKENS]
     num_decodes = 0
-    num_ongoing = 0
+    num_prefills = 0
     index = 0
-    while index < counters[NUM_RUNNING]:
+    while index < counters[NUM_RUNNING] and budget > 0:
         row = running[index]
-        index += 1
         generated = requests[row, GENERATED]
         computed = requests[row, COMPUTED]
-        if generated == 0 or computed + 1 != requests[row, PROMPT] + generated:
-            prefills[num_ongoing] = row
-            num_ongoing += 1
-            continue
-        if computed >= requests[row, BLOCKS] * block_size:
-            fits, _ = _reserve_blocks(row, 1, requests, running, waiting, counters, scheduled,
-                                      new_tokens, preempted)
-            if not fits:
-                break
-        scheduled[row] = _DECODE
-        decodes[num_decodes] = row
-        num_decodes += 1
-    budget -= num_decodes
-    # Phase 2: chunks for running prefills.
-    num_prefills = 0
-    for k in range(num_ongoing):
-        row = prefills[k]
-        if budget <= 0:
-            break
-        if preempted[row]:
-            continue
-        computed = requests[row, COMPUTED]
-        num_new = min(requests[row, PROMPT] + requests[row, GENERATED] - computed, budget)
+        num_known = requests[row, PROMPT] + generated
+        num_new = capped_new_tokens(num_known - computed, threshold, budget)
         num_needed = ceil_div(computed + num_new, block_size) - requests[row, BLOCKS]
-        if num_needed > 0:
-            fits, budget_back = _reserve_blocks(row, num_needed, requests, running, waiting,
-                                                counters, scheduled, new_tokens, preempted)
-            budget += budget_back
-            if not fits:
-                break
-        scheduled[row] = _PREFILL
-        new_tokens[row] = num_new
-        prefills[num_prefills] = row  # k >= num_prefills: overwrites only visited entries
-        num_prefills += 1
-        budget -= num_new
-    # Phase 3: admit from the waiting queue, unless this step preempted.
-    if counters[NUM_PREEMPTIONS] == num_preempted:
-        while (counters[NUM_WAITING] > 0 and budget > 0
-               and counters[NUM_RUNNING] < config[MAX_NUM_SEQS]):
-            row = waiting[counters[WAITING_HEAD]]
-            num_new = min(requests[row, PROMPT] + requests[row, GENERATED], budget)
-            num_needed = ceil_div(num_new, block_size)
-            if counters[NUM_FREE_BLOCKS] - num_needed < config[WATERMARK_BLOCKS]:
-                break
-            counters[WAITING_HEAD] = (counters[WAITING_HEAD] + 1) % capacity
-            counters[NUM_WAITING] -= 1
-            counters[NUM_FREE_BLOCKS] -= num_needed
-            requests[row, BLOCKS] += num_needed
-            if np.isnan(times[row, FIRST_SCHEDULED]):
-                times[row, FIRST_SCHEDULED] = clock[0]
-            running[counters[NUM_RUNNING]] = row
-            counters[NUM_RUNNING] += 1
+        if num_needed > 0 and not _reserve_blocks(row, num_needed, requests, running, waiting,
+                                                  counters, preempted):
+            break
+        if generated > 0 and computed + 1 == num_known:
+            scheduled[row] = _DECODE
+            decodes[num_decodes] = row
+            num_decodes += 1
+        else:
             scheduled[row] = _PREFILL
             new_tokens[row] = num_new
             prefills[num_prefills] = row
             num_prefills += 1
-            budget -= num_new
-    # Phase 4: execute.
+        budget -= num_new
+        index += 1
+    return budget, num_decodes, num_prefills
+
+
+@njit(cache=True)
+def _admit_waiting(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
+                   waiting: np.ndarray, counters: np.ndarray, clock: np.ndarray,
+                   config: np.ndarray, threshold: int, budget: int, scheduled: np.ndarray,
+                   new_tokens: np.ndarray, prefills: np.ndarray, num_prefills: int) -> int:
+    """Phase 2: admit from the waiting queue, FCFS, while the whole request fits beside
+    the watermark (kept only once a row is running). Returns the prefill chunks listed."""
+    block_size = config[BLOCK_SIZE]
+    capacity = waiting.shape[0]
+    while (counters[NUM_WAITING] > 0 and budget > 0
+           and counters[NUM_RUNNING] < config[MAX_NUM_SEQS]):
+        row = waiting[counters[WAITING_HEAD]]
+        num_known = requests[row, PROMPT] + requests[row, GENERATED]
+        watermark_blocks = config[WATERMARK_BLOCKS] if counters[NUM_RUNNING] > 0 else 0
+        if ceil_div(num_known, block_size) + watermark_blocks > counters[NUM_FREE_BLOCKS]:
+            break
+        num_new = capped_new_tokens(num_known, threshold, budget)
+        num_needed = ceil_div(num_new, block_size)
+        counters[WAITING_HEAD] = (counters[WAITING_HEAD] + 1) % capacity
+        counters[NUM_WAITING] -= 1
+        counters[NUM_FREE_BLOCKS] -= num_needed
+        requests[row, BLOCKS] += num_needed
+        if np.isnan(times[row, FIRST_SCHEDULED]):
+            times[row, FIRST_SCHEDULED] = clock[0]
+        running[counters[NUM_RUNNING]] = row
+        counters[NUM_RUNNING] += 1
+        scheduled[row] = _PREFILL
+        new_tokens[row] = num_new
+        prefills[num_prefills] = row
+        num_prefills += 1
+        budget -= num_new
+    return num_prefills
+
+
+@njit(cache=True)
+def _execute(requests: np.ndarray, times: np.ndarray, running: np.ndarray, counters: np.ndarray,
+             clock: np.ndarray, latency: np.ndarray, linear_table_s: np.ndarray,
+             scheduled: np.ndarray, new_tokens: np.ndarray, decodes: np.ndarray, num_decodes: int,
+             prefills: np.ndarray, num_prefills: int) -> None:
+    """Phase 3: run the batch, advance the clock, stamp first tokens and finishes, free
+    finished rows' blocks and clear the `scheduled` marks."""
     num_kv_tokens = 0
-    num_decode_seqs = 0
     for k in range(num_decodes):
         row = decodes[k]
-        if scheduled[row] != _DECODE:
-            continue  # preempted in phase 2
-        num_decode_seqs += 1
         computed = requests[row, COMPUTED] + 1
         requests[row, COMPUTED] = computed
         num_kv_tokens += computed
         requests[row, GENERATED] += 1
     num_prefill_tokens = 0
     num_pairs = 0
-    num_prefill_seqs = 0
     for k in range(num_prefills):
         row = prefills[k]
-        if scheduled[row] != _PREFILL:
-            continue
-        num_prefill_seqs += 1
         num_new = new_tokens[row]
         computed = requests[row, COMPUTED]
         num_prefill_tokens += num_new
@@ -201,12 +220,11 @@ def step(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: 
             if requests[row, GENERATED] == 1:
                 times[row, FIRST_TOKEN] = np.inf  # stamped below, once the step's end is known
     duration_s = 0.0
-    if num_decode_seqs or num_prefill_seqs:
-        duration_s = step_seconds(latency, linear_table_s, num_prefill_tokens, num_decode_seqs,
+    if num_decodes or num_prefills:
+        duration_s = step_seconds(latency, linear_table_s, num_prefill_tokens, num_decodes,
                                   num_kv_tokens, num_pairs)
     ended_at_s = clock[0] + duration_s
     clock[0] = ended_at_s
-    # Stamp first tokens and finishes, free finished rows' blocks, clean the scratch.
     for k in range(num_prefills):
         row = prefills[k]
         if times[row, FIRST_TOKEN] == np.inf:
@@ -223,8 +241,3 @@ def step(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: 
             running[num_kept] = row
             num_kept += 1
     counters[NUM_RUNNING] = num_kept
-    # Rows preempted this step are the only waiting ones marked: they were pushed to the
-    # head, and no admission followed (phase 3 is skipped after a preemption).
-    # _reserve_blocks already cleared their `scheduled` mark.
-    for k in range(counters[NUM_PREEMPTIONS] - num_preempted):
-        preempted[waiting[(counters[WAITING_HEAD] + k) % capacity]] = False

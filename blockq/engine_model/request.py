@@ -45,16 +45,6 @@ class EngineRequest:
         """Known tokens: prompt plus output generated so far."""
         return self.prompt_tokens + self.num_generated_tokens
 
-    @property
-    def num_remaining_output_tokens(self) -> int:
-        """Output tokens still to generate before the target is reached."""
-        return self.output_target_tokens - self.num_generated_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        """True once the output target is reached."""
-        return self.num_generated_tokens >= self.output_target_tokens
-
     def copy(self) -> EngineRequest:
         """An independent copy (every field is an immutable value, so shallow is enough).
 
@@ -92,6 +82,8 @@ class StepResult:
     ``num_kv_tokens_attended`` and ``num_prefill_attention_pairs`` as in
     :class:`~blockq.engine_model.latency.StepSample`. ``num_used_blocks``,
     ``num_running`` and ``num_waiting`` describe the state after the step.
+    ``num_scheduled_tokens``: (request id, tokens scheduled) for every request in the
+    batch, in scheduling order (as vLLM's ``SchedulerOutput.num_scheduled_tokens``).
     """
 
     started_at_s: float
@@ -107,6 +99,7 @@ class StepResult:
     num_used_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_scheduled_tokens: tuple[tuple[str, int], ...] = ()
 
     @property
     def finished_at_s(self) -> float:

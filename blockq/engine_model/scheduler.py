@@ -1,11 +1,14 @@
 """vLLM's scheduling of one engine instance, step by step, as a pure state machine.
 
-One :meth:`EngineScheduler.step` is one engine iteration under a token budget: running
-decodes first, then running (chunked) prefills, then new prefills admitted from the FCFS
-waiting queue; the batch runs; requests that computed all their known tokens sample one
-(the phases are in :mod:`blockq.engine_model.step_builder`). KV blocks are allocated as
-tokens are scheduled; a running request short of a block preempts by recompute the most
-recently started running request (itself if last).
+One :meth:`EngineScheduler.step` is one engine iteration under a token budget, as vLLM
+V1's ``Scheduler.schedule`` builds it: running requests in running order (decodes and
+chunked prefills alike, a long prefill capped by ``long_prefill_token_threshold``), then
+new prefills admitted from the FCFS waiting queue while the whole request fits; the batch
+runs; requests that computed all their known tokens sample one (the phases are in
+:mod:`blockq.engine_model.step_builder`). KV blocks are allocated as tokens are
+scheduled; a running request short of a block preempts by recompute the most recently
+started running request (itself if last). ``tests/test_vllm_scheduler_diff.py`` steps it
+against vLLM's own scheduler; docs/engine-model-vs-vllm.md lists what still differs.
 
 This is the executable specification. The one fast simulator,
 :class:`~blockq.engine_model.packed.PackedScheduler` (the dispatcher's), must end every

@@ -1,19 +1,26 @@
-"""One engine step: build the batch (vLLM's policy, phase by phase), then run it.
+"""One engine step: build the batch (vLLM V1's policy, phase by phase), then run it.
 
-Phases, under one token budget (``max_num_batched_tokens``):
+Phases, under one token budget (``max_num_batched_tokens``), as
+``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` builds a step:
 
-1. **Running decodes** get one token each, in running order.
-2. **Running prefills** (prompts, or prompt + output after a preemption, not yet fully
-   computed) get chunks from what is left of the budget, in running order.
-3. **New prefills** are admitted from the FCFS waiting queue while the budget, a sequence
-   slot and the KV watermark allow; the first request that does not fit stops admission
-   (no skipping). No request is admitted in a step that preempted one, as in vLLM.
-4. **Execution**: computed tokens advance; a request whose computed tokens reach its
+1. **Running requests**, in running order, each get the tokens they lack (one for a
+   decode, a chunk for a prefill), capped by ``long_prefill_token_threshold`` when more
+   than one request is running or waiting, and by what is left of the budget. Running
+   order, not decodes first: a long chunk ahead of a decode can take the whole budget.
+2. **New prefills** are admitted from the FCFS waiting queue while the budget and a
+   sequence slot allow, and while the whole request (not just its first chunk) fits in
+   the free blocks beside the watermark (vLLM's ``scheduler_reserve_full_isl``; the
+   watermark only once some request is running). The first request that does not fit
+   stops admission (no skipping). No request is admitted in a step that preempted one.
+3. **Execution**: computed tokens advance; a request whose computed tokens reach its
    known tokens samples one output token; one at its output target finishes and frees
    its blocks.
 
 A running request that needs a KV block when none is free preempts, by recompute, the
 most recently started running request (the end of ``running``; itself if it is last).
+With prefix caching, blocks are registered in the cache when the tokens that fill them
+are scheduled (vLLM's ``allocate_slots`` caches them), so a request admitted later in the
+same step already hits them.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ class StepBuilder:
     """
 
     __slots__ = ("config", "block_size", "running", "waiting", "pool", "token_budget",
-                 "decodes", "prefills", "prefill_num_new_tokens", "preempted")
+                 "long_prefill_threshold", "scheduled", "num_scheduled_tokens", "preempted")
 
     def __init__(self, config: EngineConfig, running: list[EngineRequest],
                  waiting: deque[EngineRequest], pool: BlockPool) -> None:
@@ -43,66 +50,51 @@ class StepBuilder:
         self.waiting = waiting
         self.pool = pool
         self.token_budget = config.max_num_batched_tokens
-        self.decodes: list[EngineRequest] = []
-        # prefill chunks: requests and their token counts, in parallel lists
-        self.prefills: list[EngineRequest] = []
-        self.prefill_num_new_tokens: list[int] = []
+        # vLLM lifts the cap when one request is alone: there is nobody to starve.
+        self.long_prefill_threshold = (config.long_prefill_token_threshold
+                                       if len(running) + len(waiting) > 1 else 0)
+        # this step's batch: requests and their token counts, in parallel lists
+        self.scheduled: list[EngineRequest] = []
+        self.num_scheduled_tokens: list[int] = []
         self.preempted: list[EngineRequest] = []
 
     def schedule(self, now_s: float) -> None:
-        """Phases 1-3: choose this step's batch, allocating blocks and preempting."""
-        ongoing_prefills = self._schedule_running_decodes()
-        self._schedule_running_prefills(ongoing_prefills)
+        """Phases 1-2: choose this step's batch, allocating blocks and preempting."""
+        self._schedule_running()
         if not self.preempted:
             self._admit_waiting(now_s)
 
-    def _schedule_running_decodes(self) -> list[EngineRequest]:
-        """Phase 1; returns the running requests that are still prefilling, in order."""
+    def _num_new_tokens(self, request: EngineRequest, num_computed: int) -> int:
+        num_new = request.num_tokens - num_computed
+        threshold = self.long_prefill_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        return min(num_new, self.token_budget)
+
+    def _schedule_running(self) -> None:
+        """Phase 1: every running request, in order, until the budget or the blocks run out.
+        A request stops at max_model_len, so vLLM's cap there never binds."""
         running = self.running
         block_size = self.block_size
-        decodes = self.decodes
-        ongoing_prefills: list[EngineRequest] = []
         index = 0
-        while index < len(running):
+        while index < len(running) and self.token_budget > 0:
             request = running[index]
-            index += 1
-            num_generated = request.num_generated_tokens
             num_computed = request.num_computed_tokens
-            if num_generated == 0 or num_computed + 1 != request.prompt_tokens + num_generated:
-                ongoing_prefills.append(request)
-                continue
-            # Victims come from the end of `running`, beyond this request, so nothing
-            # scheduled so far is undone here.
-            if num_computed >= request.num_blocks * block_size \
-                    and not self._try_reserve_blocks(request, 1):
-                break
-            decodes.append(request)
-        # max_num_batched_tokens >= max_num_seqs, so every decode fits the budget.
-        self.token_budget -= len(decodes)
-        return ongoing_prefills
-
-    def _schedule_running_prefills(self, ongoing_prefills: list[EngineRequest]) -> None:
-        """Phase 2: budget-limited chunks for running requests still computing."""
-        block_size = self.block_size
-        for request in ongoing_prefills:
-            if self.token_budget <= 0:
-                break
-            if self.preempted and any(victim is request for victim in self.preempted):
-                continue  # preempted earlier in this phase to make room
-            num_computed = request.num_computed_tokens
-            num_new = min(request.num_tokens - num_computed, self.token_budget)
+            num_new = self._num_new_tokens(request, num_computed)
             num_blocks_needed = -(-(num_computed + num_new) // block_size) - request.num_blocks
+            # Victims come from the end of `running`, beyond this request: nothing
+            # scheduled so far is undone.
             if num_blocks_needed > 0 and not self._try_reserve_blocks(request, num_blocks_needed):
                 break
-            self._add_prefill(request, num_new)
+            self._add_to_batch(request, num_new)
+            index += 1
 
     def _admit_waiting(self, now_s: float) -> None:
-        """Phase 3: admit waiting requests in FCFS order; stop at the first that does not fit."""
+        """Phase 2: admit waiting requests in FCFS order; stop at the first that does not fit."""
         config = self.config
         pool = self.pool
         block_size = self.block_size
         waiting = self.waiting
-        watermark_blocks = config.watermark_blocks
         use_prefix_cache = config.enable_prefix_caching
         while waiting and self.token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = waiting[0]
@@ -110,9 +102,12 @@ class StepBuilder:
             if use_prefix_cache and request.prefix_block_hashes:
                 num_hits, num_evictable_hits = pool.probe_prefix(request)
             num_computed = num_hits * block_size
-            num_new = min(request.num_tokens - num_computed, self.token_budget)
-            num_blocks_needed = -(-(num_computed + num_new) // block_size) - num_hits
-            if pool.num_free_blocks - num_evictable_hits - num_blocks_needed < watermark_blocks:
+            num_new = self._num_new_tokens(request, num_computed)
+            # The watermark applies only beside requests already running (vLLM's
+            # allocate_slots, has_scheduled_reqs); the whole request must fit.
+            watermark_blocks = config.watermark_blocks if self.running else 0
+            num_request_blocks = -(-request.num_tokens // block_size) - num_hits
+            if num_request_blocks + num_evictable_hits + watermark_blocks > pool.num_free_blocks:
                 break
             waiting.popleft()
             if use_prefix_cache:
@@ -121,17 +116,20 @@ class StepBuilder:
                 pool.num_prefix_hit_tokens += num_computed
             if num_hits:
                 pool.claim_prefix(request, num_hits)
+            num_blocks_needed = -(-(num_computed + num_new) // block_size) - num_hits
             pool.allocate(num_blocks_needed)
             request.num_blocks += num_blocks_needed
             if request.first_scheduled_at_s is None:
                 request.first_scheduled_at_s = now_s
             self.running.append(request)
-            self._add_prefill(request, num_new)
+            self._add_to_batch(request, num_new)
 
-    def _add_prefill(self, request: EngineRequest, num_new_tokens: int) -> None:
-        self.prefills.append(request)
-        self.prefill_num_new_tokens.append(num_new_tokens)
+    def _add_to_batch(self, request: EngineRequest, num_new_tokens: int) -> None:
+        self.scheduled.append(request)
+        self.num_scheduled_tokens.append(num_new_tokens)
         self.token_budget -= num_new_tokens
+        if self.config.enable_prefix_caching:
+            self.pool.register_computed(request, request.num_computed_tokens + num_new_tokens)
 
     def _try_reserve_blocks(self, request: EngineRequest, num_blocks: int) -> bool:
         """Allocate blocks for a running request, preempting from the end of ``running``
@@ -139,7 +137,6 @@ class StepBuilder:
         pool = self.pool
         while num_blocks > pool.num_free_blocks:
             victim = self.running.pop()
-            self._unschedule(victim)
             pool.free(victim)
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
@@ -151,88 +148,48 @@ class StepBuilder:
         request.num_blocks += num_blocks
         return True
 
-    def _unschedule(self, request: EngineRequest) -> None:
-        """Take a request out of this step's batch (if in it) and return its tokens."""
-        for index in range(len(self.decodes) - 1, -1, -1):
-            if self.decodes[index] is request:
-                del self.decodes[index]
-                self.token_budget += 1
-                return
-        for index in range(len(self.prefills) - 1, -1, -1):
-            if self.prefills[index] is request:
-                del self.prefills[index]
-                self.token_budget += self.prefill_num_new_tokens.pop(index)
-                return
-
-    # --- phase 4 ----------------------------------------------------------------------------
+    # --- phase 3 ----------------------------------------------------------------------------
 
     def execute(self, started_at_s: float, duration_s: float | None,
                 latency_model: StepLatencyModel) -> StepResult:
-        """Phase 4: run the batch for ``duration_s`` (None: the latency model's time; zero
+        """Phase 3: run the batch for ``duration_s`` (None: the latency model's time; zero
         for an empty batch) and report what happened."""
         produced: list[str] = []
         first_tokens: list[EngineRequest] = []
         finished: list[EngineRequest] = []
-        num_decode_kv_tokens = self._advance_decodes(produced, finished)
-        num_prefill_tokens, num_prefill_kv_tokens, num_pairs = self._advance_prefills(
-            produced, first_tokens, finished)
-        num_kv_tokens = num_decode_kv_tokens + num_prefill_kv_tokens
-        if duration_s is None:
-            duration_s = latency_model.step_seconds(
-                num_prefill_tokens, len(self.decodes), num_kv_tokens, num_pairs
-            ) if self.decodes or self.prefills else 0.0
-        self._finish(first_tokens, finished, started_at_s + duration_s)
-        return StepResult(
-            started_at_s, duration_s, num_prefill_tokens, len(self.decodes), num_kv_tokens,
-            tuple(produced), tuple(r.request_id for r in first_tokens), tuple(finished),
-            tuple(r.request_id for r in self.preempted), num_pairs, self.pool.num_used_blocks,
-            len(self.running), len(self.waiting))
-
-    def _advance_decodes(self, produced: list[str], finished: list[EngineRequest]) -> int:
-        """Every decode computes one token and samples one; returns the KV tokens read.
-        With prefix caching, a token that fills a block registers that block, as vLLM
-        caches output blocks (when the request's hashes reach that far: a known answer's)."""
-        num_kv_tokens = 0
-        pool, block_size = self.pool, self.config.block_size
-        register_prefix = self.config.enable_prefix_caching
-        for request in self.decodes:
-            num_computed = request.num_computed_tokens + 1
-            request.num_computed_tokens = num_computed
-            num_kv_tokens += num_computed
-            if register_prefix and num_computed % block_size == 0:
-                pool.register_computed(request)
-            num_generated = request.num_generated_tokens + 1
-            request.num_generated_tokens = num_generated
-            produced.append(request.request_id)
-            if num_generated >= request.output_target_tokens:
-                finished.append(request)
-        return num_kv_tokens
-
-    def _advance_prefills(self, produced: list[str], first_tokens: list[EngineRequest],
-                          finished: list[EngineRequest]) -> tuple[int, int, int]:
-        """Compute every prefill chunk; a chunk that completes the known tokens samples one.
-
-        Returns prefill tokens, KV tokens read and (query, key) pairs of the chunks.
-        """
-        num_prefill_tokens = num_kv_tokens = num_pairs = 0
-        register_prefix = self.config.enable_prefix_caching
-        for request, num_new in zip(self.prefills, self.prefill_num_new_tokens, strict=True):
+        num_decode_seqs = num_prefill_tokens = num_kv_tokens = num_pairs = 0
+        # In scheduling order, as vLLM's update_from_output walks the batch: finished
+        # requests free their blocks in this order, which orders the prefix cache's LRU.
+        for request, num_new in zip(self.scheduled, self.num_scheduled_tokens, strict=True):
             num_computed = request.num_computed_tokens
-            num_prefill_tokens += num_new
-            num_pairs += num_new * (2 * num_computed + num_new + 1) // 2
+            num_known = request.prompt_tokens + request.num_generated_tokens
+            if request.num_generated_tokens and num_computed + 1 == num_known:
+                num_decode_seqs += 1
+            else:
+                num_prefill_tokens += num_new
+                num_pairs += num_new * (2 * num_computed + num_new + 1) // 2
             num_computed += num_new
             request.num_computed_tokens = num_computed
             num_kv_tokens += num_computed
-            if register_prefix:
-                self.pool.register_computed(request)
-            if num_computed == request.prompt_tokens + request.num_generated_tokens:
+            if num_computed == num_known:
                 request.num_generated_tokens += 1
                 produced.append(request.request_id)
                 if request.num_generated_tokens == 1:
                     first_tokens.append(request)
                 if request.num_generated_tokens >= request.output_target_tokens:
                     finished.append(request)
-        return num_prefill_tokens, num_kv_tokens, num_pairs
+        if duration_s is None:
+            duration_s = latency_model.step_seconds(
+                num_prefill_tokens, num_decode_seqs, num_kv_tokens, num_pairs
+            ) if self.scheduled else 0.0
+        self._finish(first_tokens, finished, started_at_s + duration_s)
+        return StepResult(
+            started_at_s, duration_s, num_prefill_tokens, num_decode_seqs, num_kv_tokens,
+            tuple(produced), tuple(r.request_id for r in first_tokens), tuple(finished),
+            tuple(r.request_id for r in self.preempted), num_pairs, self.pool.num_used_blocks,
+            len(self.running), len(self.waiting),
+            tuple(zip([r.request_id for r in self.scheduled], self.num_scheduled_tokens,
+                      strict=True)))
 
     def _finish(self, first_tokens: list[EngineRequest], finished: list[EngineRequest],
                 ended_at_s: float) -> None:
