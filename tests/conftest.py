@@ -17,6 +17,19 @@ from blockq.config import Settings
 from blockq.local.embedded_redis import EmbeddedRedis, start_embedded_redis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Set by `make test-vllm`: there a missing vLLM is an error, not a reason to skip.
+REQUIRE_VLLM_ENV = "BLOCKQ_REQUIRE_VLLM"
+
+
+def import_or_skip(module: str) -> object:
+    """``pytest.importorskip``, except where the run requires the vLLM environment
+    (``BLOCKQ_REQUIRE_VLLM=1``): then a failed import fails the module, so a broken vLLM
+    environment cannot pass as a run of skipped tests."""
+    if os.environ.get(REQUIRE_VLLM_ENV) == "1":
+        import importlib
+
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
 
 
 @pytest.fixture(scope="session")

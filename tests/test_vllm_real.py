@@ -27,10 +27,10 @@ from blockq.local.state import ClusterState
 from blockq.wire.beats import decode_heartbeat
 from blockq.wire.keys import Keys
 from loadgen.benches.external import BENCH_SERVE
-from tests.conftest import run_blockq, wait_until
+from tests.conftest import import_or_skip, run_blockq, wait_until
 
-pytest.importorskip("vllm")
-openai = pytest.importorskip("openai")
+import_or_skip("vllm")
+openai = import_or_skip("openai")
 
 pytestmark = pytest.mark.vllm
 

@@ -20,7 +20,9 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm")
+from tests.conftest import import_or_skip
+
+import_or_skip("vllm")
 
 from blockq.engine_model.config import EngineConfig  # noqa: E402
 from tests.vllm_scheduler_harness import (  # noqa: E402

@@ -73,21 +73,40 @@ class StepBuilder:
 
     def _schedule_running(self) -> None:
         """Phase 1: every running request, in order, until the budget or the blocks run out.
-        A request stops at max_model_len, so vLLM's cap there never binds."""
+        A request stops at max_model_len, so vLLM's cap there never binds.
+
+        The hot loop of every step (mostly decodes): its arithmetic (the caps of
+        :meth:`_num_new_tokens`) is inline, and blocks are reserved only when a request's
+        tokens cross into a block it does not hold."""
         running = self.running
         block_size = self.block_size
+        threshold = self.long_prefill_threshold
+        scheduled, num_scheduled_tokens = self.scheduled, self.num_scheduled_tokens
+        register_prefix = self.config.enable_prefix_caching
+        budget = self.token_budget
         index = 0
-        while index < len(running) and self.token_budget > 0:
+        while index < len(running) and budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
-            num_new = self._num_new_tokens(request, num_computed)
-            num_blocks_needed = -(-(num_computed + num_new) // block_size) - request.num_blocks
+            num_new = request.prompt_tokens + request.num_generated_tokens - num_computed
+            if num_new > 1:  # a decode's one token is under every cap and the budget (> 0)
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if num_new > budget:
+                    num_new = budget
+            num_reached = num_computed + num_new
             # Victims come from the end of `running`, beyond this request: nothing
             # scheduled so far is undone.
-            if num_blocks_needed > 0 and not self._try_reserve_blocks(request, num_blocks_needed):
+            if num_reached > request.num_blocks * block_size and not self._try_reserve_blocks(
+                    request, -(-num_reached // block_size) - request.num_blocks):
                 break
-            self._add_to_batch(request, num_new)
+            scheduled.append(request)
+            num_scheduled_tokens.append(num_new)
+            budget -= num_new
+            if register_prefix:
+                self.pool.register_computed(request, num_reached)
             index += 1
+        self.token_budget = budget
 
     def _admit_waiting(self, now_s: float) -> None:
         """Phase 2: admit waiting requests in FCFS order; stop at the first that does not fit."""
@@ -162,8 +181,9 @@ class StepBuilder:
         # requests free their blocks in this order, which orders the prefix cache's LRU.
         for request, num_new in zip(self.scheduled, self.num_scheduled_tokens, strict=True):
             num_computed = request.num_computed_tokens
-            num_known = request.prompt_tokens + request.num_generated_tokens
-            if request.num_generated_tokens and num_computed + 1 == num_known:
+            num_generated = request.num_generated_tokens
+            num_known = request.prompt_tokens + num_generated
+            if num_generated and num_computed + 1 == num_known:  # a decode
                 num_decode_seqs += 1
             else:
                 num_prefill_tokens += num_new
@@ -172,11 +192,12 @@ class StepBuilder:
             request.num_computed_tokens = num_computed
             num_kv_tokens += num_computed
             if num_computed == num_known:
-                request.num_generated_tokens += 1
+                num_generated += 1
+                request.num_generated_tokens = num_generated
                 produced.append(request.request_id)
-                if request.num_generated_tokens == 1:
+                if num_generated == 1:
                     first_tokens.append(request)
-                if request.num_generated_tokens >= request.output_target_tokens:
+                if num_generated >= request.output_target_tokens:
                     finished.append(request)
         if duration_s is None:
             duration_s = latency_model.step_seconds(
