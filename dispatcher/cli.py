@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from blockq.config import LIVE_SCALERS, AutoscaleOptions, add_scaling_options
+from blockq.engine_model.measured_profile import load_profile
 from blockq.runtime.metrics_server import (
     add_metrics_arguments,
     metrics_endpoint_from_args,
@@ -29,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "dispatcher resumes its predecessor's pending entries at once "
                              "(default: env BLOCKQ_CONSUMER_NAME, else dispatch-HOSTNAME)")
     parser.add_argument("--batch-size", type=int, default=128, help="max ready entries per read")
+    parser.add_argument("--profile", default=None,
+                        help="a measured engine profile (blockq profile --out): the latency model of "
+                             "instances that publish none")
     parser.add_argument("--dead-after-s", type=float, default=5.0,
                         help="seconds without a heartbeat before an instance is dead and its queue re-placed")
     # One server for the dispatcher's metrics and, with --autoscale, the autoscaler's.
@@ -65,6 +69,7 @@ def autoscale_options(args: argparse.Namespace) -> AutoscaleOptions | None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     autoscale = autoscale_options(args)  # validated before anything starts
+    prior = load_profile(args.profile).latency_model if args.profile else None
     metrics = metrics_endpoint_from_args(args)
 
     async def main(stop: asyncio.Event) -> None:
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             client, settings, args.policy, seed=args.seed, objective=args.objective,
             dispatcher_id=args.consumer_name or default_consumer_name("dispatch"),
             options=DispatcherOptions(batch_size=args.batch_size, dead_after_s=args.dead_after_s),
-            autoscale=autoscale)
+            autoscale=autoscale, prior_latency_model=prior)
         prepare_for_decisions(dispatcher.core, autoscales=autoscale is not None)
         try:
             async with serving_metrics(dispatcher.metrics.registry, metrics, "dispatcher"):

@@ -79,22 +79,33 @@ class ClusterView:
     """Instances by id, updated by :meth:`apply_heartbeat` and :meth:`refresh_health`."""
 
     def __init__(self, health_policy: HealthPolicy | None = None, *, keep_replicas: bool = False,
-                 lengths: str = "median") -> None:
+                 lengths: str = "median", prior_latency_model: StepLatencyModel | None = None) -> None:
         """``keep_replicas``: every live instance gets a scheduler replica from its first
         beat on, rebuilt on the heartbeat path (for policies that simulate); otherwise a
         replica is made only when :meth:`replica` is first asked for one. ``lengths``: the
-        output lengths the replicas simulate with (:data:`blockq.lengths.LENGTH_MODES`)."""
+        output lengths the replicas simulate with (:data:`blockq.lengths.LENGTH_MODES`).
+        ``prior_latency_model``: for instances that publish none and name no known preset
+        (default: :data:`PRIOR_PRESET`'s; ``blockq dispatcher --profile``)."""
         self.health_policy = health_policy or HealthPolicy()
         self.instances: dict[str, InstanceView] = {}
         self.keep_replicas = keep_replicas
         self.lengths = check_length_mode(lengths)
         self.audible_since_s = float("-inf")
+        self.prior_latency_model = prior_latency_model or get_preset(PRIOR_PRESET).latency_model
 
     def hear_again(self, now_s: float) -> None:
         """The dispatcher can hear beats from ``now_s`` on (it starts leading, reconnected,
         or its reads failed until now): silence before ``now_s`` no longer makes an
         instance dead (see the module docstring)."""
         self.audible_since_s = max(self.audible_since_s, now_s)
+
+    def _latency_model(self, beat: Heartbeat) -> StepLatencyModel:
+        """The latency model an instance publishes, else its preset's, else the prior."""
+        if beat.latency_model:
+            return StepLatencyModel.from_dict(beat.latency_model)
+        if beat.preset in PRESETS:
+            return get_preset(beat.preset).latency_model
+        return self.prior_latency_model
 
     def replica(self, view: InstanceView, now_wall_s: float) -> InstanceReplica:
         """``view``'s scheduler replica, advanced to ``now_wall_s`` along its own trajectory
@@ -130,7 +141,7 @@ class ClusterView:
         view = self.instances.get(beat.instance_id)
         if self._needs_check(view, beat):
             EngineConfig.from_dict(beat.engine_config)
-            _latency_model(beat)
+            self._latency_model(beat)
         heard_at_s = now_s if heard_at_s is None else min(heard_at_s, now_s)
         if view is None:
             view = InstanceView(beat.instance_id, beat, heard_at_s)
@@ -170,7 +181,7 @@ class ClusterView:
         # The packed replica has no block cache of its own: a new request's predicted hit
         # (the view's prefix index) shortens the prefill it is simulated with instead.
         config = replace(view.config, enable_prefix_caching=False)
-        view.replica = InstanceReplica(config, _latency_model(view.heartbeat), lengths=self.lengths,
+        view.replica = InstanceReplica(config, self._latency_model(view.heartbeat), lengths=self.lengths,
                                        prefix_index=view.prefix_index)
         self._rebuild(view, now_wall_s)
 
@@ -251,10 +262,3 @@ def _indexes_prefixes(beat: Heartbeat) -> bool:
 # engine): a 7B model's step profile, which the replica refits from the instance's own
 # step samples within its first beats (InstanceReplica._observe_samples).
 PRIOR_PRESET = "llama2-7b-a30"
-
-
-def _latency_model(beat: Heartbeat) -> StepLatencyModel:
-    """The latency model an instance publishes, else its preset's, else the prior."""
-    if beat.latency_model:
-        return StepLatencyModel.from_dict(beat.latency_model)
-    return get_preset(beat.preset if beat.preset in PRESETS else PRIOR_PRESET).latency_model

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from blockq.engine_model.latency import StepLatencyModel
 from blockq.wire.beats import Heartbeat
 from blockq.wire.health import HealthPolicy
 from blockq.wire.protocol import Assignment, Request
@@ -84,8 +85,10 @@ class DispatcherCore:
     def __init__(self, policy_name: str, *, seed: int | None = None, objective: str = DEFAULT_OBJECTIVE,
                  lengths: str | None = None, health_policy: HealthPolicy | None = None,
                  timer: Callable[[], float] | None = None,
-                 slo_ttft_ms: float | None = None) -> None:
-        self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy)
+                 slo_ttft_ms: float | None = None,
+                 prior_latency_model: StepLatencyModel | None = None) -> None:
+        self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy,
+                              prior_latency_model=prior_latency_model)
         self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective,
                                           slo_ttft_ms=slo_ttft_ms)
         self.timer = timer

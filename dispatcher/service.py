@@ -47,6 +47,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from blockq.config import AutoscaleOptions, Settings
+from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
 from blockq.wire.beats import decode_heartbeat
 from blockq.wire.health import HealthPolicy, InstanceState
@@ -407,13 +408,14 @@ def prepare_for_decisions(core: DispatcherCore, *, autoscales: bool = False) -> 
 def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: str, *, dispatcher_id: str,
                       seed: int | None = None, objective: str = DEFAULT_OBJECTIVE,
                       options: DispatcherOptions | None = None,
-                      autoscale: AutoscaleOptions | None = None) -> Dispatcher:
+                      autoscale: AutoscaleOptions | None = None,
+                      prior_latency_model: StepLatencyModel | None = None) -> Dispatcher:
     """A dispatcher whose core runs the named policy, timing decisions on the wall clock;
     with ``autoscale``, its leader also sizes the fleet (:mod:`dispatcher.autoscale.service`)
     against the cluster's TTFT objective (3 s when the cluster has none)."""
     options = options or DispatcherOptions()
     core = DispatcherCore(policy_name, seed=seed, objective=objective, timer=time.perf_counter,
-                          slo_ttft_ms=settings.slo_ttft_ms or None,
+                          slo_ttft_ms=settings.slo_ttft_ms or None, prior_latency_model=prior_latency_model,
                           health_policy=HealthPolicy(heartbeat_interval_s=settings.heartbeat_interval_ms / 1000,
                                                      dead_after_s=options.dead_after_s))
     dispatcher = Dispatcher(client, settings, core, dispatcher_id=dispatcher_id, options=options)

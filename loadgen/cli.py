@@ -35,7 +35,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
     parser.add_argument("--trace", default="synthetic", help="trace path (format detected) or 'synthetic'")
     parser.add_argument("--instances", type=int, default=12)
     parser.add_argument("--instances-per-process", type=int, default=6)
-    parser.add_argument("--preset", default="llama2-7b-a30")
+    parser.add_argument("--preset", "--profile", dest="preset", default="llama2-7b-a30",
+                        help="engine preset, or a measured PROFILE.json (blockq profile)")
     parser.add_argument("--policies", type=_names, default=("round_robin", "llumnix", "block", "oracle"))
     parser.add_argument("--rates", type=_floats, default=(20.0, 24.0, 28.0, 32.0), help="requests/s (model time)")
     parser.add_argument("--requests", type=int, default=2000)

@@ -13,6 +13,7 @@ import asyncio
 import structlog
 
 from blockq.config import DEFAULT_REFINE_EVERY_TOKENS
+from blockq.engine_model.measured_profile import load_profile
 from blockq.runtime.metrics_server import (
     add_metrics_arguments,
     metrics_endpoint_from_args,
@@ -20,7 +21,7 @@ from blockq.runtime.metrics_server import (
 )
 from blockq.runtime.service_runner import add_common_arguments, run_service, settings_from_args
 from blockq.wire.streams import connect_async
-from workers.engines.vllm import VllmEngineOptions  # imports vLLM only to build one
+from workers.engines.vllm import VllmEngineOptions, add_vllm_engine_arguments
 from workers.metrics import WorkerMetrics
 from workers.worker import InstanceWorker, WorkerFailed, WorkerOptions
 
@@ -34,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve N instances from this process (one asyncio task each), ids ID-i")
     parser.add_argument("--first-index", type=int, default=0, help="index of the first instance with --instances")
     parser.add_argument("--engine", choices=["emulated", "vllm"], default="emulated")
-    parser.add_argument("--preset", default="llama2-7b-a30", help="engine preset (emulated engine)")
+    parser.add_argument("--preset", "--profile", dest="preset", default="llama2-7b-a30",
+                        help="engine preset or measured PROFILE.json (blockq profile): the emulated "
+                             "engine's; a vLLM engine publishes a profile's latency model in its beats")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="wall seconds per model second for the emulated engine (2 = half speed)")
     parser.add_argument("--noise", type=float, default=0.05, help="lognormal sigma of emulated step-time noise")
@@ -51,15 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refine-every-tokens", type=int, default=DEFAULT_REFINE_EVERY_TOKENS,
                         help="ask for a refinement every this many generated tokens")
     add_metrics_arguments(parser)  # one server for every instance of the process (label instance_id)
-    vllm = parser.add_argument_group("vLLM engine (None: vLLM's default; what it chose is read back)")
-    vllm.add_argument("--max-num-seqs", type=int, default=VllmEngineOptions.max_num_seqs)
-    vllm.add_argument("--max-num-batched-tokens", type=int, default=VllmEngineOptions.max_num_batched_tokens)
-    vllm.add_argument("--max-model-len", type=int, default=None)
-    vllm.add_argument("--block-size", type=int, default=None, help="KV block size (vLLM's CPU attention: a multiple of 32)")
-    vllm.add_argument("--kv-cache-bytes", type=int, default=None, help="fixed KV cache size in bytes")
-    vllm.add_argument("--gpu-memory-utilization", type=float, default=None,
-                      help="fraction of device memory (on CPU: of node memory) vLLM may use")
-    vllm.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (faster start-up)")
+    add_vllm_engine_arguments(parser)
 
 
 def instance_ids(args: argparse.Namespace) -> list[str]:
@@ -73,11 +68,9 @@ def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine
         from workers.engines.vllm import VllmEngine, kill_engine_processes_on_exit
 
         kill_engine_processes_on_exit()
-        return VllmEngine(VllmEngineOptions(
-            model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-            enable_prefix_caching=True if args.prefix_caching else None))
+        options = VllmEngineOptions.from_args(args, enable_prefix_caching=True if args.prefix_caching else None)
+        profile = load_profile(args.preset) if args.preset.endswith(".json") else None
+        return VllmEngine(options, profile_latency_model=profile.latency_model if profile else None)
     from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 
     overrides = (("enable_prefix_caching", True),) if args.prefix_caching else ()

@@ -248,6 +248,20 @@ def _placements_on_redis(args: argparse.Namespace, policies: list[str], run_plac
             server.stop()
 
 
+def _add_engine_checks(sub: argparse._SubParsersAction) -> None:
+    from loadgen.fidelity import cli as fidelity_cli
+    from loadgen.fidelity import profile
+
+    p = sub.add_parser("profile", help="measure one real engine's step latency and fit the engine model's "
+                                       "latency model (--out PROFILE.json)")
+    profile.add_profile_arguments(p)
+    p.set_defaults(handler=profile.run_profile_command)
+    p = sub.add_parser("fidelity", help="replay a trace on one real engine and through the engine model; "
+                                        "score every forecast")
+    fidelity_cli.add_fidelity_arguments(p)
+    p.set_defaults(handler=fidelity_cli.run_fidelity_command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockq", description="predictive dispatcher for LLM engine fleets")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -261,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_engine(sub)
     _add_dispatch_bench(sub)
     _add_gateway_and_batch(sub)
+    _add_engine_checks(sub)
     from blockq.local import tiny_model
 
     tiny_model.add_parser(sub)

@@ -49,6 +49,7 @@ trace, median 6.9k):
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, fields, replace
 from importlib import resources
@@ -56,6 +57,7 @@ from typing import Any
 
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
+from blockq.engine_model.measured_profile import load_profile
 
 _GIB = 1024**3
 _FP16_BYTES = 2
@@ -205,16 +207,28 @@ def _build_presets() -> dict[str, EnginePreset]:
 PRESETS: dict[str, EnginePreset] = _build_presets()
 
 
+@functools.lru_cache(maxsize=16)
+def _measured_preset(path: str) -> EnginePreset:
+    profile = load_profile(path)
+    return EnginePreset(path, profile.engine_config, profile.latency_model)
+
+
 def get_preset(name: str, **config_overrides: Any) -> EnginePreset:
-    """The named preset, with any :class:`EngineConfig` field overridden.
+    """The named preset, or a measured profile (a ``.json`` path written by ``blockq
+    profile``: the engine configuration and latency model it was measured with), with any
+    :class:`EngineConfig` field overridden.
 
     Raises:
-        ValueError: for an unknown name (listing the valid ones), an unknown field, or an
-            overridden value that fails validation.
+        ValueError: for an unknown name (listing the valid ones) or an invalid profile, an
+            unknown field, or an overridden value that fails validation.
     """
-    if name not in PRESETS:
-        raise ValueError(f"preset: unknown {name!r}; valid: {', '.join(sorted(PRESETS))}")
-    preset = PRESETS[name]
+    if name.endswith(".json") and name not in PRESETS:
+        preset = _measured_preset(name)
+    elif name in PRESETS:
+        preset = PRESETS[name]
+    else:
+        raise ValueError(f"preset: unknown {name!r}; valid: {', '.join(sorted(PRESETS))} "
+                         f"or a PROFILE.json")
     if not config_overrides:
         return preset
     known = {f.name for f in fields(EngineConfig)}

@@ -18,12 +18,14 @@ this engine is built. What the beats carry, and where it comes from:
 
 A request vLLM refuses or fails (a prompt past ``max_model_len``, an out-of-vocabulary
 token id, an engine error) ends with an ``error`` event carrying vLLM's message, which
-the worker writes as the request's final record. The adapter publishes no latency model
-and no preset: the dispatcher starts from a prior and refits it from the samples.
+the worker writes as the request's final record. The adapter publishes no preset, and a
+latency model only when given a measured profile (``--profile``, ``blockq profile``);
+without one the dispatcher starts from a prior and refits it from the samples.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -35,6 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockq.engine_model.latency import StepLatencyModel
 from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 
@@ -96,6 +99,16 @@ class VllmEngineOptions:
         if utilization is not None and not 0.0 < utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1] (got {utilization})")
 
+    @classmethod
+    def from_args(cls, args: Any, enable_prefix_caching: bool | None = None) -> VllmEngineOptions:
+        """From the options :func:`add_vllm_engine_arguments` adds (and ``--model``)."""
+        return cls(model=args.model, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_model_len=args.max_model_len, block_size=args.block_size,
+                   kv_cache_bytes=args.kv_cache_bytes,
+                   gpu_memory_utilization=args.gpu_memory_utilization,
+                   enforce_eager=args.enforce_eager, enable_prefix_caching=enable_prefix_caching)
+
     def engine_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {
             "model": self.model, "max_num_seqs": self.max_num_seqs,
@@ -108,6 +121,29 @@ class VllmEngineOptions:
                     "enable_prefix_caching": self.enable_prefix_caching}
         args.update({name: value for name, value in optional.items() if value is not None})
         return args
+
+
+def add_vllm_engine_arguments(parser: Any, for_one_engine: bool = False) -> None:
+    """The vLLM engine options of ``blockq worker`` / ``up``, ``profile`` and ``fidelity``.
+
+    ``for_one_engine``: a measurement run (profile, fidelity) defaults to eager mode, as
+    compiling the model on CPU takes minutes and changes nothing the runs measure.
+    """
+    vllm = parser.add_argument_group("vLLM engine (None: vLLM's default; what it chose is read back)")
+    vllm.add_argument("--max-num-seqs", type=int, default=VllmEngineOptions.max_num_seqs)
+    vllm.add_argument("--max-num-batched-tokens", type=int, default=VllmEngineOptions.max_num_batched_tokens)
+    vllm.add_argument("--max-model-len", type=int, default=None)
+    vllm.add_argument("--block-size", type=int, default=None,
+                      help="KV block size (vLLM's CPU attention: a multiple of 32)")
+    vllm.add_argument("--kv-cache-bytes", type=int, default=None, help="fixed KV cache size in bytes")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=None,
+                      help="fraction of device memory (on CPU: of node memory) vLLM may use")
+    if for_one_engine:
+        vllm.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                          help="no CUDA graphs / compilation (default here: on)")
+    else:
+        vllm.add_argument("--enforce-eager", action="store_true",
+                          help="no CUDA graphs / compilation (faster start-up)")
 
 
 @dataclass
@@ -214,7 +250,8 @@ class VllmEngine:
     time_scale = 1.0
 
     def __init__(self, options: VllmEngineOptions, *, engine: Any = None,
-                 params_factory: Callable[[EngineRequestSpec], Any] = sampling_params) -> None:
+                 params_factory: Callable[[EngineRequestSpec], Any] = sampling_params,
+                 profile_latency_model: StepLatencyModel | None = None) -> None:
         self.options = options
         self.model = f"vllm:{options.model}"
         self.stats = VllmStats()
@@ -224,12 +261,15 @@ class VllmEngine:
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._origin_s = time.monotonic()
         self._config = _engine_config(self.engine, options)
+        self._latency_model = profile_latency_model.to_dict() if profile_latency_model else None
 
     def engine_config(self) -> dict[str, Any]:
         return self._config
 
     def latency_model(self) -> dict[str, Any] | None:
-        return None  # the dispatcher starts from a prior and refits from the step samples
+        """A measured profile's (``--profile``), else None: the dispatcher starts from a
+        prior and refits it from the step samples."""
+        return self._latency_model
 
     def engine_stats(self) -> dict[str, Any]:
         stats = self.stats
