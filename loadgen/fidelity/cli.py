@@ -83,7 +83,7 @@ def score_load(load: float, rate_per_s: float, phase: int, real: ReplayResult,
         return int(sum(getattr(step, name) for step in result.steps if step.phase == phase))
 
     return {
-        "load": load, "rate": round(rate_per_s, 4), "num_requests": len(pairs),
+        "load": load, "rate": rate_per_s, "num_requests": len(pairs),
         "ttft_ape_p50": round(float(np.median(ttft_ape)), 4),
         "ttft_ape_p90": round(float(np.quantile(ttft_ape, 0.9)), 4),
         "e2e_ape_p50": round(float(np.median(e2e_ape)), 4),
@@ -137,7 +137,7 @@ def run_fidelity(args: argparse.Namespace) -> dict[str, Any]:
         with open(args.out, "w") as out:
             json.dump({"real": real.to_dict(), "sim": sim.to_dict(),
                        "latency_model": profile.latency_model.to_dict()}, out)
-    return {"capacity_rps": round(capacity, 4),
+    return {"capacity_rps": capacity,
             "results": [score_load(load, rate, phase, real, sim)
                         for phase, (load, rate) in enumerate(zip(loads, rates, strict=True))],
             "steps": step_errors(profile.latency_model, real), "seed": args.seed,

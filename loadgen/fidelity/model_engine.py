@@ -12,8 +12,8 @@ from loadgen.fidelity.replay_loop import ReplayRequest, RequestTimes, StepRecord
 
 
 class ModelReplayEngine:
-    """Steps the engine model; a wait moves its clock. Prompts are hashed in the engine's
-    blocks when prefix caching is on, so equal leading blocks hit as in vLLM."""
+    """Steps the engine model; a wait moves its clock. With prefix caching on, prompts are
+    hashed in the engine's blocks, so equal leading blocks hit as in vLLM."""
 
     def __init__(self, config: EngineConfig, latency_model: StepLatencyModel) -> None:
         self._scheduler = EngineScheduler(config, latency_model)
@@ -28,7 +28,13 @@ class ModelReplayEngine:
         self._scheduler.now_s = max(self._scheduler.now_s, when_s)
 
     def add(self, request: ReplayRequest, arrival_s: float) -> None:
-        hashes = (block_hashes(request.prompt_token_ids, self._config.block_size)
+        # vLLM caches the blocks the output fills too: they never hit (no prompt repeats
+        # this one's answer) but they queue for eviction like any cached block. Hashing
+        # placeholder output tokens after the prompt gives each output block a hash of its
+        # own (the chain starts from the prompt's), so the two caches evict alike; without
+        # them the engine model spends uncached blocks first and keeps prefixes longer.
+        hashes = (block_hashes(request.prompt_token_ids + (0,) * request.max_tokens,
+                               self._config.block_size)
                   if self._config.enable_prefix_caching else ())
         self._scheduler.add_request(EngineRequest(
             request.request_id, len(request.prompt_token_ids), request.max_tokens,
