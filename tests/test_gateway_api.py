@@ -153,6 +153,15 @@ def test_json_depth_limit_ignores_brackets_in_strings() -> None:
         check_json_depth('{"a": [[[1]]]}', 3)
 
 
+@pytest.mark.timeout(30)
+def test_json_depth_check_is_linear_on_unterminated_strings() -> None:
+    # Quadratic before: 64 KiB of escaped quotes took 13 s; 4 MiB (the body limit) hours.
+    for hostile in ('"' + '\\"' * (2 << 20), '"' + '\\"' * (2 << 20) + '\\', '{"a": "' + "[" * (4 << 20)):
+        check_json_depth(hostile, 8)
+    with pytest.raises(ValidationError):
+        check_json_depth("[" * 9 + '"' + '\\"' * (1 << 20), 8)
+
+
 def test_gateway_config_from_env_and_keys() -> None:
     assert parse_api_keys("k1=alice, k2 ,# note\nk3 bob") == {"k1": "alice", "k2": "default", "k3": "bob"}
     config = gateway_config_from_env({"BLOCKQ_GATEWAY_API_KEYS": "k1=alice", "BLOCKQ_GATEWAY_PORT": "9001",

@@ -128,6 +128,27 @@ def test_random_maps_never_crash_the_decoder(data: dict) -> None:
         assert exc.field
 
 
+@pytest.mark.parametrize(("change", "field"), [
+    ({"engine_config": {"num_gpu_blocks": float("inf"), "enable_prefix_caching": True}}, "engine_config"),
+    ({"engine_config": {"max_num_seqs": True}}, "engine_config"),
+    ({"engine_config": {"watermark": float("nan")}}, "engine_config"),
+    ({"latency_model": {"linear_knot_tokens": [1], "linear_knot_s": [float("inf")], "kv_token_s": 0,
+                        "prefill_pair_s": 0, "step_overhead_s": 0}}, "latency_model"),
+    ({"engine_time_s": float("nan")}, "engine_time_s"),
+    ({"time_scale": 0.0}, "time_scale"),
+    ({"num_used_blocks": -1}, "num_used_blocks"),
+    ({"num_running_total": "many"}, "num_running_total"),
+    ({"step_samples": [[0, 1, 12, float("inf")]]}, "step_samples"),
+    ({"step_samples": [[0, 1]]}, "step_samples"),
+])
+def test_a_beat_with_a_field_out_of_type_or_not_finite_is_refused_naming_it(change: dict, field: str) -> None:
+    beat = Heartbeat(instance_id="i", state="live", seq=3, sent_at_s=1.0, engine_time_s=0.5, model="m",
+                     preset="p", engine_config={"num_gpu_blocks": 10}, latency_model=None, num_used_blocks=4,
+                     running=(), waiting=(), num_running_total=0, num_waiting_total=0)
+    with pytest.raises(ValidationError, match=field):
+        decode_heartbeat(msgpack.packb(beat.to_map() | change, use_bin_type=True))
+
+
 def test_heartbeat_round_trip() -> None:
     beat = Heartbeat(instance_id="i", state="live", seq=3, sent_at_s=1.0, engine_time_s=0.5, model="m",
                      preset="p", engine_config={"num_gpu_blocks": 10}, latency_model=None, num_used_blocks=4,

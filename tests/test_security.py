@@ -18,10 +18,11 @@ import psutil
 import pytest
 import redis
 from rq import Queue
+from rq.job import JobStatus
 from rq.serializers import DefaultSerializer
 
 from blockq.config import ConfigError, Settings
-from blockq.frontdoors.batch.jobs import fetch_batch_job, submit_batch
+from blockq.frontdoors.batch.jobs import JOB_SERIALIZER, fetch_batch_job, submit_batch
 from blockq.frontdoors.batch.keys import BatchKeys
 from blockq.frontdoors.batch.runner import BatchOptions
 from blockq.frontdoors.gateway.config import GatewayConfig
@@ -205,6 +206,21 @@ def test_batch_worker_does_not_run_pickled_jobs(tmp_path: Path, sync_redis: redi
     assert worker.returncode == 0, worker.stderr.decode()[-2000:]
     assert not marker.exists()
     assert sync_redis.hget(f"rq:job:{job.id}", "status") != b"finished"
+
+
+def test_batch_worker_runs_no_function_but_the_batch_runner(tmp_path: Path, sync_redis: redis.Redis,
+                                                             settings: Settings) -> None:
+    marker = tmp_path / "pwned"
+    queue = Queue(BatchKeys(settings.key_prefix).queue_name, connection=sync_redis, serializer=JOB_SERIALIZER)
+    job = queue.enqueue_call("os.system", args=(f"touch {marker}",))  # JSON, as the worker reads
+    worker = subprocess.run([sys.executable, "-m", "blockq.frontdoors.batch", "worker", "--burst"], cwd=REPO_ROOT,
+                            env={**os.environ, "BLOCKQ_REDIS_URL": settings.redis_url or ""},
+                            capture_output=True, timeout=60)
+    assert worker.returncode == 0, worker.stderr.decode()[-2000:]
+    assert not marker.exists()
+    job.refresh()
+    assert job.get_status() == JobStatus.FAILED
+    assert "runs only blockq.frontdoors.batch.runner.execute_batch_job" in (job.latest_result().exc_string or "")
 
 
 # --- the gateway will not serve a network without keys ------------------------------------------

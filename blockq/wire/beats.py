@@ -3,10 +3,13 @@ validation (the rest of the wire format is :mod:`blockq.wire.protocol`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
+from blockq.engine_model.config import EngineConfig
+from blockq.engine_model.latency import StepLatencyModel
 from blockq.wire.health import REPORTED_STATES
 from blockq.wire.protocol import (
     SCHEMA_VERSION,
@@ -136,8 +139,62 @@ class Heartbeat:
         field_of(data, "instance_id", str)
         field_of(data, "seq", int)
         float_field(data, "sent_at_s")
-        field_of(data, "engine_config", dict)
+        values["engine_time_s"] = float_field(data, "engine_time_s")
+        for name in ("num_used_blocks", "num_running_total", "num_waiting_total"):
+            values[name] = _count(data, name)
+        if "time_scale" in data:
+            values["time_scale"] = float_field(data, "time_scale")
+            if values["time_scale"] <= 0:
+                raise ValidationError("time_scale", f"must be > 0 (got {values['time_scale']})")
+        if "lag_p99_ms" in data:
+            values["lag_p99_ms"] = float_field(data, "lag_p99_ms")
+        values["step_samples"] = _step_samples(data.get("step_samples") or ())
+        _check_engine_model(data)
         return cls(**values)
+
+
+def _count(data: Mapping[str, Any], name: str) -> int:
+    value = field_of(data, name, int)
+    if value < 0:
+        raise ValidationError(name, f"must be >= 0 (got {value})")
+    return value
+
+
+def _step_samples(values: Any) -> tuple[tuple[int | float, ...], ...]:
+    """Lists of 4 or 5 finite numbers >= 0 (a NaN would poison the latency refit)."""
+    if not isinstance(values, list | tuple) or not all(
+            isinstance(v, list | tuple) and len(v) in (4, 5)
+            and all(isinstance(n, int | float) and not isinstance(n, bool) and math.isfinite(n) and n >= 0
+                    for n in v) for v in values):
+        raise ValidationError("step_samples", "must be a list of 4- or 5-element lists of finite numbers >= 0")
+    return tuple(tuple(v) for v in values)
+
+
+def _check_engine_model(data: Mapping[str, Any]) -> None:
+    """The engine config's fields have their types and are finite, and the latency model
+    builds, or the beat is refused here, naming the field: a value that is not (an infinite
+    block count) would otherwise raise inside the dispatcher's view, beat after beat."""
+    config = field_of(data, "engine_config", dict)
+    for spec in fields(EngineConfig):
+        value = config.get(spec.name)
+        if value is None:
+            continue
+        default = spec.default
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        else:
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok:
+            raise ValidationError("engine_config", f"{spec.name}: must be a finite "
+                                                   f"{type(default).__name__} (got {value!r})")
+    latency = field_of(data, "latency_model", dict, required=False)
+    if latency is not None:
+        try:
+            StepLatencyModel.from_dict(latency)
+        except (TypeError, ValueError) as exc:
+            raise ValidationError("latency_model", str(exc)) from None
 
 
 def _finished_sizes(values: Any) -> tuple[tuple[int, int], ...]:
