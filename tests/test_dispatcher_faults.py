@@ -10,6 +10,7 @@ import itertools
 import time
 from dataclasses import replace
 
+import msgpack
 import pytest
 import redis
 
@@ -280,6 +281,25 @@ async def test_bad_beat_never_stops_the_leader(settings: Settings, sync_redis: r
     assert queue_ids(sync_redis, settings, "a") == [request_id]
     await dispatcher.client.aclose()
 
+
+
+async def test_a_beat_with_an_infinite_block_count_is_refused_and_the_leader_places_on(
+        settings: Settings, sync_redis: redis.Redis) -> None:
+    # Decodable msgpack, every field present, prefix caching on and num_gpu_blocks = inf:
+    # before, it raised inside the cluster view on every read of the stream.
+    hostile = make_heartbeat("b", seq=next(_seq)).to_map()
+    hostile["engine_config"] = {**hostile["engine_config"], "num_gpu_blocks": float("inf"),
+                                "enable_prefix_caching": True}
+    sync_redis.xadd(settings.keys.heartbeats, {PAYLOAD_FIELD: msgpack.packb(hostile, use_bin_type=True)})
+    beat(sync_redis, settings, "a")
+    dispatcher = await make_dispatcher(settings)
+    await lead(dispatcher)
+    (request_id,) = submit(sync_redis, settings, 1)
+    assert await dispatcher.step() == 1
+    assert dispatcher.core.stats.num_beats_rejected == 1
+    assert "b" not in dispatcher.core.view.instances
+    assert queue_ids(sync_redis, settings, "a") == [request_id]
+    await dispatcher.client.aclose()
 
 
 def test_cli_defaults_to_the_stable_consumer_name() -> None:
