@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from blockq.engine_model.config import EngineConfig
-from blockq.engine_model.latency import StepLatencyModel
+from blockq.engine_model.latency import check_latency_model_dict
 from blockq.wire.health import REPORTED_STATES
 from blockq.wire.protocol import (
     SCHEMA_VERSION,
@@ -172,7 +172,8 @@ def _step_samples(values: Any) -> tuple[tuple[int | float, ...], ...]:
 
 def _check_engine_model(data: Mapping[str, Any]) -> None:
     """The engine config's fields have their types and are finite, and the latency model
-    builds, or the beat is refused here, naming the field: a value that is not (an infinite
+    would build (checked without building it: this runs for every beat), or the beat is
+    refused here, naming the field: a value that is not (an infinite
     block count) would otherwise raise inside the dispatcher's view, beat after beat."""
     config = field_of(data, "engine_config", dict)
     for spec in fields(EngineConfig):
@@ -192,7 +193,7 @@ def _check_engine_model(data: Mapping[str, Any]) -> None:
     latency = field_of(data, "latency_model", dict, required=False)
     if latency is not None:
         try:
-            StepLatencyModel.from_dict(latency)
+            check_latency_model_dict(latency)
         except (TypeError, ValueError) as exc:
             raise ValidationError("latency_model", str(exc)) from None
 

@@ -29,6 +29,13 @@ from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.measured_profile import load_profile
 from loadgen.fidelity.model_engine import ModelReplayEngine
+from loadgen.fidelity.profile import (
+    add_engine_process_arguments,
+    fit_profile,
+    open_engine,
+    run_sweep,
+    step_errors,
+)
 from loadgen.fidelity.replay_loop import ReplayResult, replay
 from loadgen.fidelity.trace_sample import RequestLengths, build_requests, sample_lengths
 
@@ -100,18 +107,14 @@ def score_load(load: float, rate_per_s: float, phase: int, real: ReplayResult,
     }
 
 
-def step_errors(latency_model: StepLatencyModel, result: ReplayResult) -> dict[str, float]:
+def replay_step_errors(latency_model: StepLatencyModel, result: ReplayResult) -> dict[str, float]:
     """How well the profile priced the steps the engine ran during the replay."""
-    errors = np.abs([latency_model.step_seconds(s.num_prefill_tokens, s.num_decode_seqs,
-                                                s.num_kv_tokens_attended, s.num_prefill_attention_pairs)
-                     / s.duration_s - 1.0 for s in result.steps if s.duration_s > 0])
+    errors = step_errors(latency_model, result.steps)
     return {"num_steps": int(errors.size), "step_ape_p50": round(float(np.median(errors)), 4),
             "step_ape_p90": round(float(np.quantile(errors, 0.9)), 4)}
 
 
 def run_fidelity(args: argparse.Namespace) -> dict[str, Any]:
-    from loadgen.fidelity.profile import fit_profile, open_engine, run_sweep
-
     loads = _parse_loads(args.loads)
     prefix_groups = DEFAULT_PREFIX_GROUPS if args.prefix_caching else 0
     with open_engine(args, enable_prefix_caching=bool(args.prefix_caching)) as engine:
@@ -140,7 +143,7 @@ def run_fidelity(args: argparse.Namespace) -> dict[str, Any]:
     return {"capacity_rps": capacity,
             "results": [score_load(load, rate, phase, real, sim)
                         for phase, (load, rate) in enumerate(zip(loads, rates, strict=True))],
-            "steps": step_errors(profile.latency_model, real), "seed": args.seed,
+            "steps": replay_step_errors(profile.latency_model, real), "seed": args.seed,
             "engine_config": engine.engine_config, "profile_fit": profile.fit}
 
 
@@ -155,7 +158,6 @@ def _parse_loads(text: str) -> list[float]:
 
 
 def add_fidelity_arguments(parser: argparse.ArgumentParser) -> None:
-    from loadgen.fidelity.profile import add_engine_process_arguments
     from workers.engines.vllm import add_vllm_engine_arguments
 
     parser.add_argument("--model", required=True, help="the model directory vLLM serves")

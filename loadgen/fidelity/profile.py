@@ -157,6 +157,13 @@ def fit_latency_model(steps: Sequence[StepRecord], max_num_batched_tokens: int
     return model, fit_report(model, usable)
 
 
+def step_errors(model: StepLatencyModel, steps: Sequence[StepRecord]) -> np.ndarray:
+    """|modelled / measured - 1| of each step with a positive duration."""
+    return np.abs([model.step_seconds(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens_attended,
+                                      s.num_prefill_attention_pairs) / s.duration_s - 1.0
+                   for s in steps if s.duration_s > 0])
+
+
 def fit_report(model: StepLatencyModel, steps: Sequence[StepRecord]) -> dict[str, Any]:
     """|modelled / measured - 1| per step kind: median, P90 and max, and the step count."""
     report: dict[str, Any] = {"num_steps": len(steps)}
@@ -164,9 +171,7 @@ def fit_report(model: StepLatencyModel, steps: Sequence[StepRecord]) -> dict[str
         chosen = [s for s in steps if kind == "all" or step_kind(s) == kind]
         if not chosen:
             continue
-        errors = np.abs([model.step_seconds(s.num_prefill_tokens, s.num_decode_seqs,
-                                            s.num_kv_tokens_attended, s.num_prefill_attention_pairs)
-                         / s.duration_s - 1.0 for s in chosen])
+        errors = step_errors(model, chosen)
         report[kind] = {"num_steps": len(chosen), "rel_error_p50": round(float(np.median(errors)), 4),
                         "rel_error_p90": round(float(np.quantile(errors, 0.9)), 4),
                         "rel_error_max": round(float(errors.max()), 4)}
