@@ -140,6 +140,17 @@ def test_random_maps_never_crash_the_decoder(data: dict) -> None:
     ({"num_running_total": "many"}, "num_running_total"),
     ({"step_samples": [[0, 1, 12, float("inf")]]}, "step_samples"),
     ({"step_samples": [[0, 1]]}, "step_samples"),
+    # found by tests/test_fuzz.py: these decoded and then raised inside the dispatcher's policies
+    ({"step_samples": True}, "step_samples"),
+    ({"running": [["r1", None, 0, 0, 0, 10]]}, "running"),
+    ({"waiting": [["r2", 10, 0, 0, 2**40, 10]]}, "waiting"),
+    ({"waiting": [[7, 10, 0, 0, 0, 10]]}, "waiting"),
+    ({"running": [["r1", 10, 0, 0, 0, 10]] * 257}, "running"),
+    ({"finished_ids": [3]}, "finished_ids"),
+    ({"finished_sizes": [[True, 2]]}, "finished_sizes"),
+    ({"model": None}, "model"),
+    ({"truncated": "yes"}, "truncated"),
+    ({"engine_stats": [1]}, "engine_stats"),
 ])
 def test_a_beat_with_a_field_out_of_type_or_not_finite_is_refused_naming_it(change: dict, field: str) -> None:
     beat = Heartbeat(instance_id="i", state="live", seq=3, sent_at_s=1.0, engine_time_s=0.5, model="m",

@@ -25,6 +25,7 @@ MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
 # Output blocks newly cached per beat: a beat every 100 ms rarely finishes more than a few
 # requests; past this the oldest are dropped (the dispatcher then predicts fewer hits).
 MAX_HEARTBEAT_CACHED_BLOCKS = 4096
+MAX_REQUEST_ID_CHARS = 256
 
 
 class RequestProgress(NamedTuple):
@@ -51,9 +52,20 @@ class RequestProgress(NamedTuple):
         return list(self)
 
     @classmethod
-    def from_list(cls, values: list[Any]) -> RequestProgress:
+    def from_list(cls, values: list[Any], list_name: str = "running") -> RequestProgress:
+        """Decode one entry of ``list_name``: an id, then counts that are ints in [0, 2**31)
+        (the last four may be None); anything else is refused naming the list."""
         if not isinstance(values, list | tuple) or len(values) not in (6, 8):
-            raise ValidationError("running", "entries must be 6- or 8-element lists")
+            raise ValidationError(list_name, "entries must be 6- or 8-element lists")
+        request_id, *counts = values
+        if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValidationError(list_name, f"request ids must be strings of 1-{MAX_REQUEST_ID_CHARS} characters")
+        for position, count in enumerate(counts):
+            if count is None and position >= 3:
+                continue
+            if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < 2**31:
+                raise ValidationError(list_name, f"entry {request_id!r}: counts must be ints in [0, 2**31) "
+                                                 f"(got {count!r})")
         return cls(*values)
 
 
@@ -127,11 +139,14 @@ class Heartbeat:
         if state not in REPORTED_STATES:
             raise ValidationError("state", f"must be one of {', '.join(REPORTED_STATES)} (got {state!r})")
         values = {f.name: data.get(f.name) for f in fields(cls)}
-        values["running"] = tuple(RequestProgress.from_list(v) for v in field_of(data, "running", list))
-        values["waiting"] = tuple(RequestProgress.from_list(v) for v in field_of(data, "waiting", list))
-        values["finished_ids"] = tuple(data.get("finished_ids") or ())
+        values["running"] = _progress_list(data, "running")
+        values["waiting"] = _progress_list(data, "waiting")
+        values["finished_ids"] = _finished_ids(data.get("finished_ids") or ())
         values["finished_sizes"] = _finished_sizes(data.get("finished_sizes") or ())
-        values["step_samples"] = tuple(tuple(s) for s in data.get("step_samples") or ())
+        for name in ("model", "preset"):
+            field_of(data, name, str)
+        values["truncated"] = bool(field_of(data, "truncated", bool, required=False))
+        values["engine_stats"] = field_of(data, "engine_stats", dict, required=False)
         values["lag_mean_ms"] = float_field(data, "lag_mean_ms") if "lag_mean_ms" in data else 0.0
         values["state_at_s"] = float_field(data, "state_at_s", required=False)
         values["delivery_p90_ms"] = float_field(data, "delivery_p90_ms", required=False)
@@ -151,6 +166,20 @@ class Heartbeat:
         values["step_samples"] = _step_samples(data.get("step_samples") or ())
         _check_engine_model(data)
         return cls(**values)
+
+
+def _progress_list(data: Mapping[str, Any], name: str) -> tuple[RequestProgress, ...]:
+    entries = field_of(data, name, list)
+    if len(entries) > MAX_HEARTBEAT_REQUESTS:
+        raise ValidationError(name, f"must have at most {MAX_HEARTBEAT_REQUESTS} entries (got {len(entries)})")
+    return tuple(RequestProgress.from_list(v, name) for v in entries)
+
+
+def _finished_ids(values: Any) -> tuple[str, ...]:
+    if not isinstance(values, list | tuple) or not all(
+            isinstance(v, str) and 0 < len(v) <= MAX_REQUEST_ID_CHARS for v in values):
+        raise ValidationError("finished_ids", f"must be a list of strings of 1-{MAX_REQUEST_ID_CHARS} characters")
+    return tuple(values)
 
 
 def _count(data: Mapping[str, Any], name: str) -> int:
@@ -200,7 +229,8 @@ def _check_engine_model(data: Mapping[str, Any]) -> None:
 
 def _finished_sizes(values: Any) -> tuple[tuple[int, int], ...]:
     if not isinstance(values, list | tuple) or not all(
-            isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(n, int) and n >= 0 for n in v)
+            isinstance(v, list | tuple) and len(v) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**31 for n in v)
             for v in values):
         raise ValidationError("finished_sizes", "must be a list of [prompt tokens, output tokens] pairs of ints >= 0")
     return tuple((int(v[0]), int(v[1])) for v in values)
