@@ -5,8 +5,11 @@ format, cancellation on timeout and on client disconnect."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import random
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -429,3 +432,76 @@ async def test_infeasible_is_503_with_the_forecast(answered: TestClient) -> None
                                    json={"model": "blockq", "prompt": "late", "stream": True})
     events = [e for e in (await response.text()).split("\n\n") if e]
     assert any('"code":"slo_infeasible"' in e.replace(" ", "") for e in events) and events[-1] == "data: [DONE]"
+
+
+# --- the JSON depth check: the fast path against a character-by-character reference ----------
+
+
+def reference_json_depth(text: str) -> int:
+    """The deepest nesting of brackets outside strings, character by character: the
+    specification the fast check_json_depth is held to."""
+    depth = max_depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            max_depth = max(max_depth, depth)
+        elif char in "]}":
+            depth -= 1
+    return max_depth
+
+
+def random_json(rng: random.Random, depth: int) -> Any:
+    if depth == 0 or rng.random() < 0.2:
+        return rng.choice(["", "a", "[[{", "}]", '\\"[', "\\", '"', "x\\\\\"]", 1, None, True])
+    children = [random_json(rng, depth - 1) for _ in range(rng.randint(0, 3))]
+    if rng.random() < 0.5:
+        return children
+    return {f"k{i}[": child for i, child in enumerate(children)}
+
+
+def test_fast_json_depth_check_matches_the_reference() -> None:
+    rng = random.Random(7)
+    num_refused = 0
+    for _ in range(3000):
+        text = json.dumps(random_json(rng, rng.randint(0, 12)))
+        max_depth = rng.randint(1, 10)
+        too_deep = reference_json_depth(text) > max_depth
+        num_refused += too_deep
+        try:
+            check_json_depth(text, max_depth)
+            assert not too_deep, (text, max_depth)
+        except ValidationError as exc:
+            assert too_deep and exc.field == "body", (text, max_depth)
+    assert 300 < num_refused < 2700  # both outcomes were exercised
+    # invalid JSON: whatever passes nests no deeper in the parser than allowed
+    for _ in range(3000):
+        text = "".join(rng.choice('{}[]",:\\ 0a') for _ in range(rng.randint(0, 60)))
+        try:
+            check_json_depth(text, 3)
+        except ValidationError:
+            continue
+        with contextlib.suppress(json.JSONDecodeError):
+            assert reference_json_depth(json.dumps(json.loads(text))) <= 3, text
+
+
+@pytest.mark.timeout(60)
+def test_json_depth_check_of_hostile_4_mib_bodies_takes_milliseconds() -> None:
+    # The regex scan took 0.2 s on the escaped quotes, 0.36 s on the brackets.
+    size = 4 * 1024 * 1024
+    escaped_quotes = '{"model": "blockq", "messages": "' + '\\"' * (size // 2 - 20)  # never closed
+    for text in (escaped_quotes, "[" + ",".join(["[]"] * (size // 3)) + "]",
+                 '{"a":' + "[" * 33 + '"' + '\\"' * (size // 2), "[" * (size // 2) + "]" * (size // 2)):
+        started_s = time.perf_counter()
+        with contextlib.suppress(ValidationError):
+            check_json_depth(text, 32)
+        assert time.perf_counter() - started_s < 0.15, text[:40]

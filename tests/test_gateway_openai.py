@@ -25,7 +25,7 @@ def gateway_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
            "BLOCKQ_GATEWAY_API_KEYS": f"{API_KEY}=alice,sk-test-bob=bob"}
     try:
         up = run_blockq("up", "--instances", "2", "--time-scale", "0.1", "--gateway", "--gateway-port", str(port),
-                        "--detach", "--json", env=env)
+                        "--metrics-base-port", "0", "--detach", "--json", env=env)
         assert up.returncode == 0, up.stderr + up.stdout
         base_url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
@@ -132,3 +132,16 @@ def test_keys_models_and_status(gateway_cluster: dict[str, Any]) -> None:
 def test_gateway_command_line() -> None:
     result = run_blockq("gateway", "--help")
     assert result.returncode == 0 and "--api-keys-file" in result.stdout
+
+
+def test_key_policy_refuses_priority_and_best_effort(gateway_cluster: dict[str, Any]) -> None:
+    """A key with the default policy (no options) gets priority interactive and may not ask
+    for another, nor for best_effort: 403 naming the field (docs/gateway.md)."""
+    client: openai.OpenAI = gateway_cluster["client"]
+    for extra, field in [({"priority": "batch"}, "priority"), ({"best_effort": True}, "best_effort")]:
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            client.completions.create(model="blockq", prompt="x", max_tokens=1, extra_body=extra)
+        assert info.value.body["param"] == field  # type: ignore[index]
+    completion = client.completions.create(model="blockq", prompt="x", max_tokens=1,
+                                           extra_body={"priority": "interactive", "best_effort": False})
+    assert completion.usage is not None and completion.usage.completion_tokens == 1

@@ -5,14 +5,23 @@ overridden by ``blockq gateway`` flags.
 ``BLOCKQ_GATEWAY_HOST`` / ``_PORT``     listen address (default 127.0.0.1:8000)
 ``BLOCKQ_GATEWAY_API_KEYS``             ``KEY=TENANT,KEY2=TENANT2`` (``KEY`` alone: tenant
                                         ``default``); when any key is set, every ``/v1/*`` call
-                                        needs ``Authorization: Bearer KEY``
+                                        needs ``Authorization: Bearer KEY``. A key's policy
+                                        follows as ``;OPTION=VALUE`` items (``api_keys.py``)
 ``BLOCKQ_GATEWAY_API_KEYS_FILE``        file with one ``KEY=TENANT`` (or ``KEY TENANT``) a line
+``BLOCKQ_GATEWAY_KEY_MAX_IN_FLIGHT``    calls one key may have open unless its policy says
+                                        (default: half of ``MAX_IN_FLIGHT`` with two keys or
+                                        more, all of it with one)
 ``BLOCKQ_GATEWAY_MODEL_NAMES``          comma-separated served model names (default ``blockq``)
 ``BLOCKQ_GATEWAY_CHAT_TEMPLATE``        ``chatml`` (default), ``plain`` or a Jinja2 file path
 ``BLOCKQ_GATEWAY_REQUEST_TIMEOUT_S``    longest a request may take (default 600 s)
 ``BLOCKQ_GATEWAY_MAX_BODY_BYTES``       request body limit (default 4 MiB)
 ``BLOCKQ_GATEWAY_MAX_JSON_DEPTH``       JSON nesting limit (default 32)
-``BLOCKQ_GATEWAY_MAX_IN_FLIGHT``        concurrent generation requests before 429 (default 512)
+``BLOCKQ_GATEWAY_MAX_IN_FLIGHT``        concurrent generation requests before 429 (default 512);
+                                        a call holds its slot from before its body is read
+``BLOCKQ_GATEWAY_READ_TIMEOUT_S``       longest a whole request body may take to arrive, else
+                                        408 (default 30 s)
+``BLOCKQ_GATEWAY_WRITE_TIMEOUT_S``      longest one stream write may wait for the client to
+                                        read, else the connection is dropped (default 5 s)
 ``BLOCKQ_GATEWAY_ALLOW_UNAUTHENTICATED``  ``1``: allow a non-loopback host without API keys
 =====================================  ========================================================
 
@@ -26,10 +35,16 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from blockq.config import ConfigError
+from blockq.frontdoors.gateway.api_keys import (
+    OPEN_POLICY,
+    KeyPolicy,
+    key_fingerprint,
+    parse_api_key_specs,
+)
 from blockq.frontdoors.gateway.openai_requests import RequestDefaults
 
 ENV_PREFIX = "BLOCKQ_GATEWAY_"
@@ -49,28 +64,76 @@ class GatewayConfig:
     shutdown_timeout_s: float = 10.0
     defaults: RequestDefaults = field(default_factory=RequestDefaults)
     allow_unauthenticated: bool = False
+    # Slow clients: a body must arrive whole within read_timeout_s (30 s carries 4 MiB at
+    # about 1 Mbit/s), and a stream write that a client leaves unread for write_timeout_s
+    # drops the connection (a client reading 10 KB/s never waits that long; docs/gateway.md).
+    read_timeout_s: float = 30.0
+    write_timeout_s: float = 5.0
+    # Per-key policies (keys absent here get KeyPolicy()) and the per-key in-flight default
+    # (None: see default_key_max_in_flight).
+    api_key_to_policy: Mapping[str, KeyPolicy] = field(default_factory=dict)
+    key_max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"gateway port: must be a TCP port (got {self.port})")
         if not self.model_names or not all(self.model_names):
             raise ConfigError("gateway model_names: need at least one non-empty name")
-        if self.request_timeout_s <= 0:
-            raise ConfigError(f"gateway request_timeout_s: must be > 0 (got {self.request_timeout_s})")
+        for name in ("request_timeout_s", "read_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"gateway {name}: must be > 0 (got {getattr(self, name)})")
         for name in ("max_body_bytes", "max_json_depth", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"gateway {name}: must be >= 1 (got {getattr(self, name)})")
         for key, tenant in self.api_key_to_tenant.items():
             if not key or any(c.isspace() for c in key) or not tenant:
                 raise ConfigError("gateway api keys: keys must be non-empty without whitespace, tenants non-empty")
+        self._check_key_policies()
         if not self.auth_required and not self.allow_unauthenticated and not is_loopback_host(self.host):
             raise ConfigError(f"gateway host: {self.host!r} is reachable from other machines and no API key is set; "
                               "set API keys (--api-key, --api-keys-file, BLOCKQ_GATEWAY_API_KEYS) or pass "
                               "--allow-unauthenticated (BLOCKQ_GATEWAY_ALLOW_UNAUTHENTICATED=1) to serve anyone")
 
+    def _check_key_policies(self) -> None:
+        """Keys are named by fingerprint only: a config error must not print a secret."""
+        if self.key_max_in_flight is not None and not 1 <= self.key_max_in_flight <= self.max_in_flight:
+            raise ConfigError(f"gateway key_max_in_flight: must be between 1 and max_in_flight "
+                              f"({self.max_in_flight}) (got {self.key_max_in_flight})")
+        for key, policy in self.api_key_to_policy.items():
+            where = f"gateway api key {key_fingerprint(key)}"
+            if key not in self.api_key_to_tenant:
+                raise ConfigError(f"{where}: api_key_to_policy names a key that is not configured")
+            if not isinstance(policy, KeyPolicy):
+                raise ConfigError(f"{where}: api_key_to_policy: must map keys to KeyPolicy (got {policy!r})")
+            if policy.max_in_flight is not None and policy.max_in_flight > self.max_in_flight:
+                raise ConfigError(f"{where} (tenant {self.api_key_to_tenant[key]}): max_in_flight: must be at most "
+                                  f"the gateway's max_in_flight ({self.max_in_flight}) (got {policy.max_in_flight})")
+
     @property
     def auth_required(self) -> bool:
         return bool(self.api_key_to_tenant)
+
+    @property
+    def default_key_max_in_flight(self) -> int:
+        """Calls a key may have open when its policy sets none: ``key_max_in_flight`` if set;
+        else, with two keys or more, half the gateway's slots (so no single key can lock the
+        others out, while a busy key may still use half the gateway when the others are idle);
+        with one key, all of them."""
+        if self.key_max_in_flight is not None:
+            return self.key_max_in_flight
+        if len(self.api_key_to_tenant) <= 1:
+            return self.max_in_flight
+        return max(1, self.max_in_flight // 2)
+
+    def policy_of(self, key: str | None) -> KeyPolicy:
+        """``key``'s policy with every default filled in; None: the caller of a gateway
+        without keys, who may set priority and best_effort and use every slot."""
+        if key is None:
+            return replace(OPEN_POLICY, max_in_flight=self.max_in_flight)
+        policy = self.api_key_to_policy.get(key, KeyPolicy())
+        if policy.max_in_flight is None:
+            policy = replace(policy, max_in_flight=self.default_key_max_in_flight)
+        return policy
 
 
 def is_loopback_host(host: str) -> bool:
@@ -85,23 +148,15 @@ def is_loopback_host(host: str) -> bool:
 
 
 def parse_api_keys(text: str, separators: str = ",\n") -> dict[str, str]:
-    """``KEY=TENANT`` items separated by commas or newlines (``#`` starts a comment line)."""
-    out: dict[str, str] = {}
-    items = [text]
-    for sep in separators:
-        items = [part for item in items for part in item.split(sep)]
-    for raw in items:
-        item = raw.strip()
-        if not item or item.startswith("#"):
-            continue
-        key, _, tenant = item.partition("=" if "=" in item else " ")
-        out[key.strip()] = tenant.strip() or "default"
-    return out
+    """``KEY=TENANT`` items separated by commas or newlines (``#`` starts a comment line);
+    the tenants only (:func:`parse_api_key_specs` also returns the keys' policies)."""
+    return parse_api_key_specs(text, separators)[0]
 
 
-def read_api_keys_file(path: Path) -> dict[str, str]:
+def read_api_keys_file(path: Path) -> tuple[dict[str, str], dict[str, KeyPolicy]]:
+    """A keys file, one ``KEY=TENANT[;OPTION=VALUE]...`` a line: tenants and policies."""
     try:
-        return parse_api_keys(path.read_text(), separators="\n")
+        return parse_api_key_specs(path.read_text(), separators="\n")
     except OSError as exc:
         raise ConfigError(f"gateway api_keys_file: cannot read {path}: {exc.strerror}") from None
 
@@ -122,20 +177,36 @@ def gateway_config_from_env(env: Mapping[str, str] | None = None, **overrides: o
         except ValueError:
             raise ConfigError(f"{ENV_PREFIX}{name}: must be a number (got {raw!r})") from None
 
-    keys: dict[str, str] = {}
+    sources = []
     if get("API_KEYS_FILE"):
-        keys.update(read_api_keys_file(Path(get("API_KEYS_FILE") or "")))
-    keys.update(parse_api_keys(get("API_KEYS") or ""))
+        sources.append(read_api_keys_file(Path(get("API_KEYS_FILE") or "")))
+    sources.append(parse_api_key_specs(get("API_KEYS") or ""))
+    sources.append((overrides.pop("api_key_to_tenant", None) or {},  # type: ignore[arg-type]
+                    overrides.pop("api_key_to_policy", None) or {}))
+    keys, policies = merge_api_keys(sources)
     values: dict[str, object] = {
         "host": get("HOST"), "port": number("PORT", int), "chat_template": get("CHAT_TEMPLATE"),
         "request_timeout_s": number("REQUEST_TIMEOUT_S", float), "max_body_bytes": number("MAX_BODY_BYTES", int),
         "max_json_depth": number("MAX_JSON_DEPTH", int), "max_in_flight": number("MAX_IN_FLIGHT", int),
+        "read_timeout_s": number("READ_TIMEOUT_S", float), "write_timeout_s": number("WRITE_TIMEOUT_S", float),
+        "key_max_in_flight": number("KEY_MAX_IN_FLIGHT", int),
         "model_names": tuple(n.strip() for n in (get("MODEL_NAMES") or "").split(",") if n.strip()) or None,
-        "api_key_to_tenant": keys or None,
+        "api_key_to_tenant": keys or None, "api_key_to_policy": policies or None,
         "allow_unauthenticated": (get("ALLOW_UNAUTHENTICATED") or "").lower() in ("1", "true", "yes") or None,
     }
-    extra_keys = overrides.pop("api_key_to_tenant", None)
-    if extra_keys:
-        values["api_key_to_tenant"] = {**keys, **extra_keys}  # type: ignore[dict-item]
     values.update({k: v for k, v in overrides.items() if v is not None})
     return GatewayConfig(**{k: v for k, v in values.items() if v is not None})  # type: ignore[arg-type]
+
+
+def merge_api_keys(sources: list[tuple[Mapping[str, str], Mapping[str, KeyPolicy]]]
+                   ) -> tuple[dict[str, str], dict[str, KeyPolicy]]:
+    """(tenants, policies) of several sources, later ones winning: a key named again is
+    replaced whole, so its policy is the one given with it there (none: the defaults)."""
+    keys: dict[str, str] = {}
+    policies: dict[str, KeyPolicy] = {}
+    for key_to_tenant, key_to_policy in sources:
+        for key, tenant in key_to_tenant.items():
+            keys[key] = tenant
+            policies.pop(key, None)
+        policies.update(key_to_policy)
+    return keys, policies

@@ -11,10 +11,12 @@ from blockq.frontdoors.gateway.openai_responses import error_body
 
 
 class GatewayError(Exception):
-    """An HTTP error to answer with: status, OpenAI ``type``/``param``/``code``, headers."""
+    """An HTTP error to answer with: status, OpenAI ``type``/``param``/``code``, headers,
+    and whether to close the connection after it."""
 
     def __init__(self, status: int, message: str, error_type: str, *, param: str | None = None,
-                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+                 code: str | None = None, headers: Mapping[str, str] | None = None,
+                 close_connection: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -22,8 +24,14 @@ class GatewayError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        # For a request whose body was not read to its end: the connection cannot carry
+        # another request, so the answer says ``Connection: close``.
+        self.close_connection = close_connection
 
     def to_response(self) -> web.Response:
         body = error_body(self.message, self.error_type, self.param, self.code)
-        return web.Response(status=self.status, text=json.dumps(body), content_type="application/json",
-                            headers=self.headers)
+        response = web.Response(status=self.status, text=json.dumps(body), content_type="application/json",
+                                headers=self.headers)
+        if self.close_connection:
+            response.force_close()
+        return response

@@ -3,16 +3,19 @@ stream of server-sent events, cancelling the requests in the pipeline when the c
 leaves or the call times out.
 
 Contract: every request this module submits either reaches its final record or is
-cancelled (``AsyncClient.cancel``) before the HTTP call ends, whatever way it ends.
+cancelled (``AsyncClient.cancel``) before the HTTP call ends, whatever way it ends. That
+includes a client that stays connected but stops reading a stream: each stream write has
+``write_timeout_s`` to drain, after which the connection is dropped (docs/gateway.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import structlog
@@ -39,6 +42,41 @@ FAILED_STATUSES = ("error", INFEASIBLE)
 
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class StreamStalled(ConnectionError):
+    """A stream write did not drain within the write deadline: the client stopped reading."""
+
+
+class SseWriter:
+    """Writes one response's event stream, each write bounded by ``write_timeout_s``.
+
+    aiohttp's ``write`` waits for the socket to drain once 64 KiB are buffered, with no
+    limit: a client that stops reading would hold its handler, its slot and its requests
+    for ever. Bytes given to ``hold`` go out with the next write (see ``_respond_streaming``).
+    """
+
+    def __init__(self, response: web.StreamResponse, write_timeout_s: float) -> None:
+        self.response = response
+        self.write_timeout_s = write_timeout_s
+        self.pending = b""
+
+    def hold(self, data: bytes) -> None:
+        self.pending += data
+
+    async def write(self, event: bytes) -> None:
+        data, self.pending = self.pending + event, b""
+        await self._within_deadline(self.response.write(data))
+
+    async def write_eof(self) -> None:
+        await self._within_deadline(self.response.write_eof())
+
+    async def _within_deadline(self, write: Awaitable[None]) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await write
+        except TimeoutError:
+            raise StreamStalled(f"stream write not drained within {self.write_timeout_s:g} s") from None
 
 
 async def merged_stream(handles: Sequence[AsyncHandle],
@@ -80,7 +118,8 @@ class GenerationCall:
     """One ``/v1/completions`` or ``/v1/chat/completions`` call after validation."""
 
     def __init__(self, client: AsyncClient, metrics: GatewayMetrics, background: set[asyncio.Task[Any]],
-                 plan: GenerationPlan, tenant: str, timeout_s: float, endpoint: str) -> None:
+                 plan: GenerationPlan, tenant: str, timeout_s: float, endpoint: str, *,
+                 write_timeout_s: float) -> None:
         self.client = client
         self.metrics = metrics
         self.background = background
@@ -88,6 +127,7 @@ class GenerationCall:
         self.tenant = tenant
         self.timeout_s = timeout_s
         self.endpoint = endpoint
+        self.write_timeout_s = write_timeout_s
         self.base_id = uuid.uuid4().hex
         self.created_s = int(time.time())
         self.started_at_s = time.perf_counter()
@@ -177,20 +217,35 @@ class GenerationCall:
         response = web.StreamResponse(headers={
             "content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no",
             "x-request-id": self.base_id})
-        await response.prepare(request)
+        await response.prepare(request)  # aiohttp holds the headers back until the first write
+        writer = SseWriter(response, self.write_timeout_s)
+        try:
+            finals = await self._stream_events(writer)
+            done = [f for f in finals if f is not None]
+            if len(done) == len(finals):
+                self.metrics.prompt_tokens.inc(sum(done[i * self.plan.n].prompt_tokens
+                                                   for i in range(len(self.plan.prompts))))
+                if self.plan.include_usage:
+                    await writer.write(_sse(ChunkBuilder(self.plan, self.base_id, self.created_s).usage(done)))
+            await writer.write(SSE_DONE)
+            await writer.write_eof()
+        except StreamStalled:
+            self.metrics.slow_clients.inc(phase="stream_write")
+            log.info("client_stalled", request_id=self.base_id, write_timeout_s=self.write_timeout_s)
+            self._cancel_unfinished()
+            if request.transport is not None:
+                request.transport.abort()  # what is buffered would never be read: drop it with the connection
+        except ConnectionError:  # the client went away between our writes
+            self.metrics.disconnects.inc()
+            self._cancel_unfinished()
+        return response
+
+    async def _stream_events(self, writer: SseWriter) -> list[FinalRecord | None]:
+        """Every choice's events, as they arrive; the final records (None: a choice that
+        timed out, after an error event saying so)."""
         builder = ChunkBuilder(self.plan, self.base_id, self.created_s)
         finals: list[FinalRecord | None] = [None] * self.plan.num_choices
         is_first = True
-        # The placement comments go out in one write with the first event after them: a
-        # client that splits the stream by network reads and strips each (vLLM's benchmark
-        # client does) would glue a comment written alone to the next event.
-        pending = b""
-
-        async def write(event: bytes) -> None:
-            nonlocal pending
-            await response.write(pending + event)
-            pending = b""
-
         # A choice's opening (the chat role chunk, or the echoed prompt) goes out with its
         # first token, as vLLM's server sends it: benchmark clients time the first token
         # by the first chunk with choices, and an opening sent at placement would read as one.
@@ -204,36 +259,28 @@ class GenerationCall:
             return (_sse(opening) if opening is not None else b"") + event
 
         try:
-            pending = await self._placement_comments()
-            async for index, item in merged_stream(self.handles, self.timeout_s):
-                if isinstance(item, Chunk):
-                    if is_first:
-                        self.metrics.first_chunk.observe(time.perf_counter() - self.started_at_s,
-                                                         endpoint=self.endpoint)
-                        is_first = False
-                    await write(opened(index, _sse(builder.text(index, item.text))))
-                    continue
-                finals[index] = item
-                self._account(item)
-                if item.status in FAILED_STATUSES:
-                    error = self._failure(item)
-                    await write(_sse(error_body(error.message, error.error_type, code=error.code)))
-                else:
-                    await write(opened(index, _sse(builder.finish(index, item))))
+            # The placement comments go out in one write with the first event after them: a
+            # client that splits the stream by network reads and strips each (vLLM's benchmark
+            # client does) would glue a comment written alone to the next event.
+            writer.hold(await self._placement_comments())
+            async with contextlib.aclosing(merged_stream(self.handles, self.timeout_s)) as events:
+                async for index, item in events:
+                    if isinstance(item, Chunk):
+                        if is_first:
+                            self.metrics.first_chunk.observe(time.perf_counter() - self.started_at_s,
+                                                             endpoint=self.endpoint)
+                            is_first = False
+                        await writer.write(opened(index, _sse(builder.text(index, item.text))))
+                        continue
+                    finals[index] = item
+                    self._account(item)
+                    if item.status in FAILED_STATUSES:
+                        error = self._failure(item)
+                        await writer.write(_sse(error_body(error.message, error.error_type, code=error.code)))
+                    else:
+                        await writer.write(opened(index, _sse(builder.finish(index, item))))
         except TimeoutError:
             self._cancel_unfinished()
-            await write(_sse(error_body(f"no result within {self.timeout_s:g} s; the request was "
-                                        "cancelled", "timeout", code="timeout")))
-        except ConnectionError:  # the client went away between our writes
-            self.metrics.disconnects.inc()
-            self._cancel_unfinished()
-            return response
-        done = [f for f in finals if f is not None]
-        if len(done) == len(finals):
-            self.metrics.prompt_tokens.inc(sum(done[i * self.plan.n].prompt_tokens
-                                               for i in range(len(self.plan.prompts))))
-            if self.plan.include_usage:
-                await response.write(_sse(builder.usage(done)))
-        await response.write(SSE_DONE)
-        await response.write_eof()
-        return response
+            await writer.write(_sse(error_body(f"no result within {self.timeout_s:g} s; the request was "
+                                               "cancelled", "timeout", code="timeout")))
+        return finals

@@ -8,7 +8,10 @@ Metrics (label ``endpoint`` is the route, e.g. ``/v1/chat/completions``):
 - ``blockq_gateway_time_to_first_chunk_seconds{endpoint}``: histogram, streaming only;
 - ``blockq_gateway_in_flight_requests``: generation requests being served now;
 - ``blockq_gateway_prompt_tokens_total``, ``blockq_gateway_completion_tokens_total``;
-- ``blockq_gateway_client_disconnects_total``: requests cancelled because the client left.
+- ``blockq_gateway_client_disconnects_total``: requests cancelled because the client left;
+- ``blockq_gateway_slow_clients_total{phase}``: calls ended because the client was too slow:
+  ``body_read`` (body not in within ``read_timeout_s``: 408) or ``stream_write`` (a stream
+  write not drained within ``write_timeout_s``: connection dropped, requests cancelled).
 """
 
 from __future__ import annotations
@@ -59,3 +62,7 @@ class GatewayMetrics:
                                                         registry=r))
         self.disconnects = LabelledMetric(Counter("blockq_gateway_client_disconnects",
                                                   "Requests cancelled because the client disconnected.", registry=r))
+        self.slow_clients = LabelledMetric(Counter("blockq_gateway_slow_clients",
+                                                   "Calls ended because the client did not send its body in "
+                                                   "time (phase body_read) or read its stream (stream_write).",
+                                                   ["phase"], registry=r))

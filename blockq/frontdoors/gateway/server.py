@@ -4,8 +4,13 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": tru
 server-sent events ending ``data: [DONE]``), ``GET /v1/models``, ``GET /healthz``,
 ``GET /metrics``. Errors use OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}``: 400 invalid input (``param`` names the field), 401 missing or wrong API key,
-404 unknown model or route, 413 body too large, 429 overloaded (``Retry-After``), 504
-timeout, 500 anything else (logged with the request id; no traceback is sent).
+403 a field the API key may not set (``param`` names it), 404 unknown model or route, 408
+body not received within ``read_timeout_s``, 413 body too large, 429 overloaded, gateway or
+key in-flight cap (``Retry-After``), 504 timeout, 500 anything else (logged with the
+request id; no traceback is sent).
+
+A generation call takes its in-flight slot (gateway and key caps) before its body is read,
+and holds it until it ends; see :mod:`blockq.frontdoors.gateway.in_flight`.
 
 Request headers: ``Authorization: Bearer KEY`` (when keys are configured; the key's
 tenant is the request's tenant) and ``x-blockq-timeout-s`` (seconds, at most the server's
@@ -17,11 +22,12 @@ tenant is the request's tenant) and ``x-blockq-timeout-s`` (seconds, at most the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -30,12 +36,20 @@ from aiohttp import web
 
 from blockq.client import AsyncClient, Overloaded
 from blockq.config import Settings
+from blockq.frontdoors.gateway.api_keys import (
+    Caller,
+    ForbiddenField,
+    apply_key_policy,
+    key_fingerprint,
+)
 from blockq.frontdoors.gateway.chat_template import load_chat_template
 from blockq.frontdoors.gateway.config import GatewayConfig, is_loopback_host
 from blockq.frontdoors.gateway.errors import GatewayError
 from blockq.frontdoors.gateway.generation import GenerationCall
+from blockq.frontdoors.gateway.in_flight import InFlightSlots, SlotLimit
 from blockq.frontdoors.gateway.metrics import GatewayMetrics
 from blockq.frontdoors.gateway.openai_requests import (
+    GenerationPlan,
     check_json_depth,
     parse_chat_request,
     parse_completion_request,
@@ -63,8 +77,12 @@ class Gateway:
         self.defaults = replace(config.defaults, max_max_tokens=settings.limits.max_max_tokens)
         self.metrics = GatewayMetrics()
         self.background: set[asyncio.Task[Any]] = set()
-        self.num_in_flight = 0
-        self.metrics.in_flight.set_function(lambda: self.num_in_flight)
+        self.slots = InFlightSlots(config.max_in_flight)
+        self.metrics.in_flight.set_function(lambda: self.slots.num_in_flight)
+        # Resolved once: a request only looks its key up.
+        self.key_to_caller = {key: Caller(tenant, key_fingerprint(key), config.policy_of(key))
+                              for key, tenant in config.api_key_to_tenant.items()}
+        self.open_caller = Caller("default", "", config.policy_of(None))
         self.started_at_s = int(time.time())
         self._instance_models: tuple[str, ...] = ()
         self._models_read_at_s = -math.inf
@@ -82,6 +100,10 @@ class Gateway:
             await asyncio.wait(list(self.background), timeout=5.0)
         if self.client is not None:
             await self.client.close()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.slots.num_in_flight
 
     def require_client(self) -> AsyncClient:
         if self.client is None:
@@ -117,6 +139,9 @@ class Gateway:
             return exc.to_response()
         if isinstance(exc, ValidationError):
             return GatewayError(400, str(exc), "invalid_request_error", param=exc.field).to_response()
+        if isinstance(exc, ForbiddenField):
+            return GatewayError(403, str(exc), "permission_error", param=exc.field,
+                                code="field_not_allowed").to_response()
         if isinstance(exc, Overloaded):
             retry_after_s = max(1, math.ceil(exc.retry_after_s))
             return GatewayError(429, "blockq is overloaded; retry later", "rate_limit_error", code="overloaded",
@@ -131,37 +156,58 @@ class Gateway:
 
     # --- helpers -----------------------------------------------------------------------------
 
-    def tenant_of(self, request: web.Request) -> str:
-        """The tenant of the request's bearer token ("default" when no keys are configured)."""
+    def caller_of(self, request: web.Request) -> Caller:
+        """The caller of the request's bearer token (tenant "default", every right, when no
+        keys are configured); 401 without a known key."""
         if not self.config.auth_required:
-            return "default"
+            return self.open_caller
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise GatewayError(401, "missing API key: send 'Authorization: Bearer KEY'", "invalid_request_error",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        tenant = None
-        for key, key_tenant in self.config.api_key_to_tenant.items():
+        caller = None
+        for key, key_caller in self.key_to_caller.items():
             if hmac.compare_digest(key.encode(), token.encode()):  # constant time per key
-                tenant = key_tenant
-        if tenant is None:
+                caller = key_caller
+        if caller is None:
             raise GatewayError(401, "incorrect API key", "invalid_request_error", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
-        return tenant
+        return caller
+
+    @contextlib.contextmanager
+    def in_flight_slot(self, caller: Caller) -> Iterator[None]:
+        """Hold one in-flight slot for ``caller`` (429 when the gateway or its key is full).
+        The message names the key's tenant and fingerprint and its limit, never the key."""
+        key_max_in_flight = caller.policy.max_in_flight or self.config.max_in_flight
+        refused = self.slots.take(caller.key_id, key_max_in_flight)
+        if refused is SlotLimit.GATEWAY:
+            raise GatewayError(429, f"more than {self.config.max_in_flight} requests in flight; retry later",
+                               "rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"})
+        if refused is SlotLimit.KEY:
+            raise GatewayError(429, f"the API key of tenant {caller.tenant!r} ({caller.key_id}) has "
+                               f"{key_max_in_flight} requests in flight, its max_in_flight; retry later",
+                               "rate_limit_error", param="max_in_flight", code="key_too_many_requests",
+                               headers={"Retry-After": "1"})
+        try:
+            yield
+        finally:
+            self.slots.give_back(caller.key_id)
 
     async def read_json(self, request: web.Request) -> Any:
+        """The body as JSON: 413 past ``max_body_bytes``, 408 when it has not arrived whole
+        within ``read_timeout_s`` (a trickling client holds its slot no longer than that)."""
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(self.config.max_body_bytes, request.content_length)
-        raw = await request.read()
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValidationError("body", "must be UTF-8 encoded JSON") from None
-        check_json_depth(text, self.config.max_json_depth)
-        try:
-            return json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise ValidationError("body", f"invalid JSON ({getattr(exc, 'msg', 'too deep')})") from None
+            async with asyncio.timeout(self.config.read_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            self.metrics.slow_clients.inc(phase="body_read")
+            raise GatewayError(408, f"request body not received within {self.config.read_timeout_s:g} s "
+                               "(read_timeout_s)", "invalid_request_error", param="body", code="request_timeout",
+                               close_connection=True) from None
+        return parse_json_body(raw, self.config.max_json_depth)
 
     def timeout_of(self, request: web.Request) -> float:
         raw = request.headers.get("x-blockq-timeout-s")
@@ -216,7 +262,7 @@ class Gateway:
         return metrics_response(self.metrics.registry, request)
 
     async def models(self, request: web.Request) -> web.Response:
-        self.tenant_of(request)
+        self.caller_of(request)
         data = [{"id": name, "object": "model", "created": self.started_at_s, "owned_by": "blockq",
                  "root": name, "parent": None} for name in await self.model_names()]
         return web.json_response({"object": "list", "data": data})
@@ -228,28 +274,44 @@ class Gateway:
         return await self._generate(request, "/v1/chat/completions")
 
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        tenant = self.tenant_of(request)
+        caller = self.caller_of(request)
         timeout_s = self.timeout_of(request)
+        # The slot comes before the body: a body is memory, and a slow one time.
+        with self.in_flight_slot(caller):
+            plan = await self._plan(request, endpoint, caller)
+            call = GenerationCall(self.require_client(), self.metrics, self.background, plan, caller.tenant,
+                                  timeout_s, endpoint, write_timeout_s=self.config.write_timeout_s)
+            return await call.respond(request)
+
+    async def _plan(self, request: web.Request, endpoint: str, caller: Caller) -> GenerationPlan:
+        """The call's body read, validated and held to the caller's key policy."""
         body = await self.read_json(request)
-        defaults = self.defaults
         if endpoint == "/v1/completions":
-            plan = parse_completion_request(body, defaults)
+            plan = parse_completion_request(body, self.defaults)
         else:
-            plan = parse_chat_request(body, self.render_chat, defaults)
+            plan = parse_chat_request(body, self.render_chat, self.defaults)
+        plan = apply_key_policy(plan, body, caller.policy)
         # A name not seen yet is looked up again (at most once a second): an instance that
         # has just joined serves its model before the next periodic refresh.
         if plan.model not in await self.model_names() and plan.model not in await self.model_names(1.0):
             raise GatewayError(404, f"the model {plan.model!r} does not exist", "invalid_request_error",
                                param="model", code="model_not_found")
-        if self.num_in_flight >= self.config.max_in_flight:
-            raise GatewayError(429, f"more than {self.config.max_in_flight} requests in flight; retry later",
-                               "rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"})
-        call = GenerationCall(self.require_client(), self.metrics, self.background, plan, tenant, timeout_s, endpoint)
-        self.num_in_flight += 1
-        try:
-            return await call.respond(request)
-        finally:
-            self.num_in_flight -= 1
+        return plan
+
+
+def parse_json_body(raw: bytes, max_json_depth: int) -> Any:
+    """``raw`` as JSON; ValidationError("body") for bad UTF-8, nesting past ``max_json_depth``
+    (checked before parsing) or invalid JSON. Runs on the event loop: every step is linear
+    and in C, a few ms for 4 MiB (docs/gateway.md)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValidationError("body", "must be UTF-8 encoded JSON") from None
+    check_json_depth(text, max_json_depth)
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValidationError("body", f"invalid JSON ({getattr(exc, 'msg', 'too deep')})") from None
 
 
 def create_app(config: GatewayConfig, settings: Settings, client: AsyncClient | None = None) -> web.Application:
