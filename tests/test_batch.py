@@ -12,8 +12,9 @@ import redis
 
 from blockq.config import Settings
 from blockq.frontdoors.batch.bookkeeping import BatchProgress, RateLimiter, write_lines_atomically
+from blockq.frontdoors.batch.files import BatchFilesConfig
 from blockq.frontdoors.batch.keys import BatchKeys, batch_request_id
-from blockq.frontdoors.batch.lines import BatchLine, LineError, read_batch_input
+from blockq.frontdoors.batch.lines import BatchLine, LineError, LineLimits, read_batch_input
 from blockq.frontdoors.batch.runner import BatchOptions, BatchRun
 from blockq.frontdoors.gateway.chat_template import render_chatml
 from blockq.frontdoors.gateway.openai_requests import RequestDefaults
@@ -39,7 +40,7 @@ def test_input_lines_are_validated_one_by_one(tmp_path: Path) -> None:
                                                                           "body": {}},
         completion_line("e", max_tokens=10**9), {"method": "POST"}, completion_line("f", stream=True),
     ])
-    items = read_batch_input(path, render_chatml, RequestDefaults(), Settings())
+    items = list(read_batch_input(path, render_chatml, RequestDefaults(), Settings(), LineLimits()))
     kinds = [(i.line_number, i.custom_id, i.code if isinstance(i, LineError) else "ok") for i in items]
     assert kinds == [(1, "a", "ok"), (2, None, "invalid_json"), (4, "c", "ok"), (5, "a", "duplicate_custom_id"),
                      (6, "d", "invalid_request"), (7, "e", "invalid_request"), (8, None, "invalid_request"),
@@ -115,7 +116,8 @@ def test_batch_run_resumes_without_resubmitting_finished_lines(tmp_path: Path, s
     fake.start()
     saved: list[dict[str, Any]] = []
     try:
-        summary = BatchRun("job1", options, settings, sync_redis, saved.append).run()
+        files = BatchFilesConfig(input_root=tmp_path, output_root=tmp_path)
+        summary = BatchRun("job1", options, settings, sync_redis, saved.append, files=files).run()
     finally:
         stop.set()
         fake.join()

@@ -28,9 +28,12 @@ LEASE_S = 2.0
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A 2-instance cluster at time scale 0.1, without a batch worker; always torn down."""
     state_dir = tmp_path_factory.mktemp("batch") / "state"
-    env = {"BLOCKQ_STATE_DIR": str(state_dir), "BLOCKQ_REDIS_URL": "", "BLOCKQ_BATCH_LEASE_S": str(LEASE_S)}
+    env = {"BLOCKQ_STATE_DIR": str(state_dir), "BLOCKQ_REDIS_URL": "", "BLOCKQ_BATCH_LEASE_S": str(LEASE_S),
+           # the jobs' files live in pytest's temporary directory: the worker's and submit's root
+           "BLOCKQ_BATCH_INPUT_ROOT": str(tmp_path_factory.getbasetemp())}
     try:
-        up = run_blockq("up", "--instances", "2", "--time-scale", "0.1", "--detach", "--json", env=env)
+        up = run_blockq("up", "--instances", "2", "--time-scale", "0.1", "--metrics-base-port", "0", "--detach", "--json",
+                        env=env)
         assert up.returncode == 0, up.stderr + up.stdout
         state = ClusterState.read(state_dir)
         assert state is not None

@@ -22,6 +22,7 @@ from rq.job import JobStatus
 from rq.serializers import DefaultSerializer
 
 from blockq.config import ConfigError, Settings
+from blockq.frontdoors.batch.files import BatchFilesConfig
 from blockq.frontdoors.batch.jobs import JOB_SERIALIZER, fetch_batch_job, submit_batch
 from blockq.frontdoors.batch.keys import BatchKeys
 from blockq.frontdoors.batch.runner import BatchOptions
@@ -121,7 +122,7 @@ def test_detached_up_with_redis_url_keeps_it_off_argv(tmp_path: Path, outside_re
     env = {"BLOCKQ_STATE_DIR": str(state_dir), "BLOCKQ_REDIS_URL": ""}
     try:
         up = run_blockq("up", "--redis", outside_redis.url, "--instances", "1", "--time-scale", "0.1",
-                        "--detach", env=env)
+                        "--metrics-base-port", "0", "--detach", env=env)
         assert up.returncode == 0, up.stderr + up.stdout
         assert outside_redis.password not in up.stdout
         state = ClusterState.read(state_dir)
@@ -184,7 +185,7 @@ def test_batch_job_round_trips_as_json(tmp_path: Path, sync_redis: redis.Redis, 
     input_path.write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hi"}}\n')
     options = BatchOptions(input_path=str(input_path), output_path=str(tmp_path / "out.jsonl"),
                            errors_path=str(tmp_path / "out.errors.jsonl"), max_rate_per_s=2.5)
-    job = submit_batch(sync_redis, settings, options)
+    job = submit_batch(sync_redis, settings, options, BatchFilesConfig(input_root=tmp_path, output_root=tmp_path))
     raw = sync_redis.hget(f"rq:job:{job.id}", "data")
     assert raw is not None
     func_name, _instance, args, kwargs = json.loads(zlib.decompress(raw))

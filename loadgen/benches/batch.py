@@ -44,11 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--dir", type=Path, default=Path("."),
+                        help="where the input and results files are written: under the batch worker's input "
+                             "and output roots (default: the current directory, the worker's default root)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
     connection = rq_connection(settings)
-    with tempfile.TemporaryDirectory(prefix="blockq-batch-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="blockq-batch-bench-", dir=args.dir.resolve()) as tmp:
         input_path, output_path = Path(tmp) / "input.jsonl", Path(tmp) / "results.jsonl"
         write_bench_input(input_path, args.lines, args.max_tokens)
         options = BatchOptions(input_path=str(input_path), output_path=str(output_path),

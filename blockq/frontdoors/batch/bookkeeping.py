@@ -88,8 +88,11 @@ def write_lines_atomically(path: Path, lines: Iterable[bytes | str]) -> None:
     """Write ``lines`` (newline-terminated) to a temporary file beside ``path``, fsync it
     and rename it over ``path``: readers see the old file or the whole new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Created afresh ("x": O_EXCL, which also refuses a symlink planted under that name),
+    # so the write cannot be sent through a link to a file outside the output root.
+    tmp.unlink(missing_ok=True)
     try:
-        with tmp.open("wb") as file:
+        with tmp.open("xb") as file:
             for line in lines:
                 file.write(line if isinstance(line, bytes) else line.encode())
                 file.write(b"\n")

@@ -7,15 +7,40 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blockq.config import Settings
 from blockq.frontdoors.batch.keys import use_rq_key_prefix
 from blockq.runtime.service_runner import add_common_arguments, settings_from_args
 
+if TYPE_CHECKING:
+    from blockq.frontdoors.batch.files import BatchFilesConfig
+
 
 def _print(data: dict[str, Any], as_json: bool, text: str) -> None:
     sys.stdout.write((json.dumps(data, indent=2, sort_keys=True) if as_json else text) + "\n")
+
+
+def _add_files_arguments(p: argparse.ArgumentParser, whose: str) -> None:
+    p.add_argument("--input-root", type=Path, default=None,
+                   help=f"{whose} inputs and chat templates must lie under this directory "
+                        "(BLOCKQ_BATCH_INPUT_ROOT; default: the current directory)")
+    p.add_argument("--output-root", type=Path, default=None,
+                   help=f"{whose} results and errors files must lie under this directory "
+                        "(BLOCKQ_BATCH_OUTPUT_ROOT; default: the input root)")
+    p.add_argument("--max-line-bytes", type=int, default=None,
+                   help="longest input line, bytes; a longer one is an error line "
+                        "(BLOCKQ_BATCH_MAX_LINE_BYTES; default 4 MiB)")
+    p.add_argument("--max-lines", type=int, default=None,
+                   help="most lines in an input file; a longer file fails (BLOCKQ_BATCH_MAX_LINES; default 50000)")
+
+
+def _files_config(args: argparse.Namespace) -> BatchFilesConfig:
+    """The roots and limits from the flags over ``BLOCKQ_BATCH_*``; ConfigError naming the field."""
+    from blockq.frontdoors.batch.files import BatchFilesConfig
+
+    return BatchFilesConfig.from_env(input_root=args.input_root, output_root=args.output_root,
+                                     max_line_bytes=args.max_line_bytes, max_lines=args.max_lines)
 
 
 def _add_submit(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +56,7 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-timeout-s", type=float, default=3600.0, help="per-line timeout, seconds")
     p.add_argument("--chat-template", default="chatml", help="'chatml', 'plain' or a Jinja2 file")
     p.add_argument("--json", action="store_true", help="print job_id, status, total and the paths as JSON")
+    _add_files_arguments(p, "(as the workers are configured) ")
     p.set_defaults(handler=cmd_submit)
 
 
@@ -45,16 +71,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
     settings = _settings(args)
     from blockq.frontdoors.batch.jobs import default_errors_path, rq_connection, submit_batch
     from blockq.frontdoors.batch.runner import BatchOptions
+    from blockq.frontdoors.gateway.chat_template import BUILTIN_TEMPLATES
 
+    files = _files_config(args)
     output_path = args.out.resolve()
+    # A template file is read by the worker, in its own directory: hand it an absolute path.
+    chat_template = args.chat_template if args.chat_template in BUILTIN_TEMPLATES else str(
+        Path(args.chat_template).resolve())
     options = BatchOptions(
         input_path=str(args.input.resolve()), output_path=str(output_path),
         errors_path=str((args.errors or default_errors_path(output_path)).resolve()), priority=args.priority,
         tenant=args.tenant, max_rate_per_s=args.max_rate, concurrency=args.concurrency,
-        request_timeout_s=args.request_timeout_s, chat_template=args.chat_template)
+        request_timeout_s=args.request_timeout_s, chat_template=chat_template)
     connection = rq_connection(settings)
     try:
-        job = submit_batch(connection, settings, options)
+        job = submit_batch(connection, settings, options, files)
         report = {"job_id": job.id, "status": str(job.get_status(refresh=False).value), "total": job.meta["total"],
                   "input": options.input_path, "output": options.output_path, "errors": options.errors_path}
     finally:
@@ -119,16 +150,18 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     add_common_arguments(p)
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--name", default=None, help="worker name (default: rq's random one)")
+    _add_files_arguments(p, "")
     p.set_defaults(handler=cmd_worker)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
+    files = _files_config(args)  # validated before the worker takes any job
     from blockq.frontdoors.batch.worker import run_worker
     from blockq.runtime.logs import configure_logging
 
     configure_logging(settings.log_level, "batch-worker")
-    return run_worker(settings, burst=args.burst, name=args.name)
+    return run_worker(settings, files, burst=args.burst, name=args.name)
 
 
 def _add_commands(sub: argparse._SubParsersAction) -> None:

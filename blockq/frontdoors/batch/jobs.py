@@ -22,6 +22,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from blockq.config import ConfigError, Settings
+from blockq.frontdoors.batch.files import BatchFilesConfig, check_job_files
 from blockq.frontdoors.batch.keys import RQ_KEY_PREFIX_ENV, BatchKeys
 from blockq.frontdoors.batch.lines import count_lines
 from blockq.frontdoors.batch.runner import RESULTS_TTL_S, BatchOptions
@@ -68,17 +69,15 @@ def default_errors_path(output_path: Path) -> Path:
 
 
 def submit_batch(connection: redis.Redis, settings: Settings, options: BatchOptions,
-                 job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S) -> Job:
-    """Enqueue a job for ``options`` (paths must be absolute and visible to the workers).
-    ``job.meta`` starts as total = the input's non-blank lines, done = failed = 0."""
-    input_path = Path(options.input_path)
-    if not input_path.is_absolute() or not Path(options.output_path).is_absolute():
-        raise ConfigError("batch paths: input and output must be absolute paths")
-    if not input_path.is_file():
-        raise ConfigError(f"input: no such file: {input_path}")
-    if not Path(options.output_path).parent.is_dir():
-        raise ConfigError(f"out: directory does not exist: {Path(options.output_path).parent}")
-    total = count_lines(input_path)
+                 files: BatchFilesConfig | None = None, job_timeout_s: int = DEFAULT_JOB_TIMEOUT_S) -> Job:
+    """Enqueue a job for ``options`` (absolute paths, visible to the workers). Checks first
+    what the worker will check, against ``files`` (default: :meth:`BatchFilesConfig.from_env`,
+    as a worker started here would be configured): paths under the roots, the chat
+    template, the line limit (ConfigError naming the field). ``job.meta`` starts as
+    total = the input's non-blank lines, done = failed = 0."""
+    files = files or BatchFilesConfig.from_env()
+    input_path = check_job_files(options, files).input_path
+    total = count_lines(input_path, files.limits)
     meta = {"total": total, "done": 0, "failed": 0, "canceled": False, "input": options.input_path,
             "output": options.output_path, "errors": options.errors_path}
     return batch_queue(connection, settings).enqueue_call(

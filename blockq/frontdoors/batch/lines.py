@@ -16,7 +16,12 @@ Errors file (input order), one line per invalid input line or failed request::
      "error": {"code": ..., "message": ..., "param": ...}}
 
 with ``code`` one of ``invalid_json``, ``invalid_request``, ``duplicate_custom_id``,
-``generation_failed``, ``cancelled``, ``timeout``.
+``line_too_long``, ``generation_failed``, ``cancelled``, ``timeout``.
+
+Input is read line by line within :class:`LineLimits`: a line longer than ``max_line_bytes``
+is an error line (skipped in chunks, never held whole) and a file of more than ``max_lines``
+lines is refused (:class:`InputTooLarge`), so a reader holds one line at a time whatever
+the file's size (docs/batch.md).
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from blockq.client import build_request
-from blockq.config import Settings
+from blockq.config import ConfigError, Settings
 from blockq.frontdoors.gateway.chat_template import Renderer
 from blockq.frontdoors.gateway.openai_requests import (
     GenerationPlan,
@@ -40,6 +45,30 @@ from blockq.wire.protocol import ValidationError
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 MAX_CUSTOM_ID_CHARS = 512
+# The gateway's request body limit (GatewayConfig.max_body_bytes): a line carries one body.
+DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
+# OpenAI's limit on requests per batch file.
+DEFAULT_MAX_LINES = 50_000
+# How much of an over-long line is read at a time while it is skipped.
+SKIP_CHUNK_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class LineLimits:
+    """How much of an input file a job reads: lines of at most ``max_line_bytes`` bytes
+    (UTF-8, without the newline) and at most ``max_lines`` lines, blank ones included."""
+
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    max_lines: int = DEFAULT_MAX_LINES
+
+    def __post_init__(self) -> None:
+        for name in ("max_line_bytes", "max_lines"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+
+
+class InputTooLarge(ConfigError):
+    """The input file has more lines than :attr:`LineLimits.max_lines`."""
 
 
 @dataclass(frozen=True)
@@ -73,16 +102,55 @@ def result_line(custom_id: str, request_id: str, body: dict[str, Any]) -> dict[s
             "response": {"status_code": 200, "request_id": request_id, "body": body}}
 
 
-def iter_nonblank_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number from 1, text) of every non-blank line."""
-    with path.open(encoding="utf-8") as file:
-        for number, text in enumerate(file, start=1):
-            if text.strip():
-                yield number, text
+def _skip_rest_of_line(file: BinaryIO) -> int:
+    """Read past the end of the current line in bounded chunks; returns the bytes skipped."""
+    num_bytes = 0
+    while chunk := file.readline(SKIP_CHUNK_BYTES):
+        num_bytes += len(chunk)
+        if chunk.endswith(b"\n"):
+            return num_bytes - 1
+    return num_bytes
 
 
-def count_lines(path: Path) -> int:
-    return sum(1 for _ in iter_nonblank_lines(path))
+def _too_long(number: int, num_bytes: int, max_bytes: int) -> LineError:
+    return LineError(number, None, "line_too_long",
+                     f"line {number} is {num_bytes} bytes, over the limit of {max_bytes} bytes (max_line_bytes)")
+
+
+def _decoded(number: int, body: bytes) -> str | LineError:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return LineError(number, None, "invalid_json", f"line is not valid UTF-8 ({exc.reason})")
+
+
+def iter_nonblank_lines(path: Path, limits: LineLimits) -> Iterator[tuple[int, str | LineError]]:
+    """(line number from 1, text) of every non-blank line, one line in memory at a time.
+    A line over ``limits.max_line_bytes`` or not valid UTF-8 comes as a :class:`LineError`;
+    raises :class:`InputTooLarge` on reaching line ``limits.max_lines + 1``."""
+    max_bytes = limits.max_line_bytes
+    with path.open("rb") as file:
+        number = 0
+        # readline(max + 2): a line of exactly `max` bytes still comes with its newline
+        # (and its \r, if any); anything longer is cut and the rest skipped.
+        while raw := file.readline(max_bytes + 2):
+            number += 1
+            if number > limits.max_lines:
+                raise InputTooLarge(f"input_path: {path} is over the limit of {limits.max_lines} lines "
+                                    f"(max_lines = {limits.max_lines}: --max-lines, BLOCKQ_BATCH_MAX_LINES)")
+            if not raw.endswith(b"\n") and len(raw) == max_bytes + 2:
+                yield number, _too_long(number, len(raw) + _skip_rest_of_line(file), max_bytes)
+                continue
+            body = raw.rstrip(b"\r\n")
+            if len(body) > max_bytes:
+                yield number, _too_long(number, len(body), max_bytes)
+            elif body.strip():
+                yield number, _decoded(number, body)
+
+
+def count_lines(path: Path, limits: LineLimits) -> int:
+    """Non-blank lines of ``path`` (raises :class:`InputTooLarge` past ``limits.max_lines``)."""
+    return sum(1 for _ in iter_nonblank_lines(path, limits))
 
 
 def parse_line(number: int, text: str, render: Renderer, defaults: RequestDefaults,
@@ -124,18 +192,19 @@ def parse_line(number: int, text: str, render: Renderer, defaults: RequestDefaul
     return BatchLine(number, custom_id, url, plan)
 
 
-def read_batch_input(path: Path, render: Renderer, defaults: RequestDefaults,
-                     settings: Settings) -> list[BatchLine | LineError]:
-    """Every non-blank line of ``path``, parsed, in order; a repeated custom_id is an error."""
+def read_batch_input(path: Path, render: Renderer, defaults: RequestDefaults, settings: Settings,
+                     limits: LineLimits) -> Iterator[BatchLine | LineError]:
+    """Every non-blank line of ``path``, parsed, in order, read as they are consumed; a
+    repeated custom_id is an error. Holds one line and the custom ids seen so far (at most
+    ``limits.max_lines`` of them); raises :class:`InputTooLarge` when it reaches a line past
+    the limit, after yielding the lines before it."""
     seen: set[str] = set()
-    items: list[BatchLine | LineError] = []
-    for number, text in iter_nonblank_lines(path):
-        item = parse_line(number, text, render, defaults, settings)
+    for number, text in iter_nonblank_lines(path, limits):
+        item = text if isinstance(text, LineError) else parse_line(number, text, render, defaults, settings)
         if isinstance(item, BatchLine):
             if item.custom_id in seen:
                 item = LineError(number, item.custom_id, "duplicate_custom_id",
                                  f"custom_id: {item.custom_id!r} appears on an earlier line", "custom_id")
             else:
                 seen.add(item.custom_id)
-        items.append(item)
-    return items
+        yield item

@@ -7,21 +7,26 @@ worker died resumes where it stopped. Lines are submitted with deterministic req
 (:func:`batch_request_id`); a line that was in flight when the worker died is re-attached
 to its existing reply stream instead of being generated twice.
 
-While it runs, the job holds a lease (a key with a TTL, refreshed by a thread); a worker
+While it runs, the job holds a lease (:mod:`blockq.frontdoors.batch.job_lease`); a worker
 that finds a started job without a lease re-enqueues it (:mod:`blockq.frontdoors.batch.worker`).
+
+Before anything is read, written or leased, the job's files are checked against the
+worker's roots (:mod:`blockq.frontdoors.batch.files`). The input is then streamed, never
+held: one pass counts its lines (a file over the limit fails here), one records its invalid
+lines and keeps the valid lines' custom ids, one feeds the pending lines to the submission
+loop as it has room, and the output files are written from Redis in input order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -30,9 +35,16 @@ import structlog
 from blockq.client import AsyncClient, AsyncHandle, Overloaded, build_request
 from blockq.config import ConfigError, Settings
 from blockq.frontdoors.batch.bookkeeping import BatchProgress, RateLimiter, write_lines_atomically
+from blockq.frontdoors.batch.files import BatchFilesConfig, check_job_files
+from blockq.frontdoors.batch.job_lease import LeaseKeeper, lease_s_from_env
 from blockq.frontdoors.batch.keys import BatchKeys, batch_request_id
-from blockq.frontdoors.batch.lines import BatchLine, LineError, read_batch_input, result_line
-from blockq.frontdoors.gateway.chat_template import load_chat_template
+from blockq.frontdoors.batch.lines import (
+    BatchLine,
+    LineError,
+    count_lines,
+    read_batch_input,
+    result_line,
+)
 from blockq.frontdoors.gateway.openai_requests import RequestDefaults
 from blockq.frontdoors.gateway.openai_responses import completion_body
 from blockq.wire.protocol import PRIORITIES
@@ -41,20 +53,9 @@ from blockq.wire.streams import connect
 log = structlog.get_logger(__name__)
 
 CHECK_INTERVAL_S = 0.2
-DEFAULT_LEASE_S = 30.0
 RESULTS_TTL_S = 7 * 24 * 3600
-
-
-def lease_s_from_env() -> float:
-    """``BLOCKQ_BATCH_LEASE_S``: how long a dead job's lease outlives it (default 30 s)."""
-    raw = os.environ.get("BLOCKQ_BATCH_LEASE_S") or str(DEFAULT_LEASE_S)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"BLOCKQ_BATCH_LEASE_S: must be a number of seconds (got {raw!r})") from None
-    if value < 0.5:
-        raise ConfigError(f"BLOCKQ_BATCH_LEASE_S: must be >= 0.5 (got {value})")
-    return value
+# Hash fields read or written per Redis round trip while streaming a job's lines.
+REDIS_CHUNK = 1000
 
 
 @dataclass(frozen=True)
@@ -90,63 +91,14 @@ class BatchOptions:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-# Refreshes the lease if this process still holds it (or nobody does); 0 when lost.
-_REFRESH_LEASE = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-
-
-class LeaseKeeper:
-    """Holds ``key`` for this process, refreshing it every third of ``lease_s`` in a thread
-    (so that a busy event loop cannot let it lapse). ``lost`` is set if another holder
-    took it."""
-
-    def __init__(self, client: redis.Redis, key: str, lease_s: float) -> None:
-        self.client = client
-        self.key = key
-        self.lease_ms = int(lease_s * 1000)
-        self.token = f"{os.uname().nodename}:{os.getpid()}:{time.time_ns()}"
-        self.lost = threading.Event()
-        self._stop = threading.Event()
-        self._script = client.register_script(_REFRESH_LEASE)
-        self._thread = threading.Thread(target=self._run, name="batch-lease", daemon=True)
-
-    def start(self) -> None:
-        """Take the lease, waiting up to one and a half lease periods for a previous
-        holder's lease to lapse (a killed holder cannot refresh it)."""
-        deadline_s = time.monotonic() + 1.5 * self.lease_ms / 1000
-        while not self._script(keys=[self.key], args=[self.token, self.lease_ms]):
-            if time.monotonic() > deadline_s:
-                raise RuntimeError(f"batch job lease {self.key} is held by another live process")
-            time.sleep(0.1)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.lease_ms / 3000):
-            try:
-                if not self._script(keys=[self.key], args=[self.token, self.lease_ms]):
-                    log.error("batch_lease_lost", key=self.key)
-                    self.lost.set()
-                    return
-            except redis.RedisError:
-                log.warning("batch_lease_refresh_failed", key=self.key, exc_info=True)
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        if self.client.get(self.key) == self.token.encode():
-            self.client.delete(self.key)
-
-
 class BatchRun:
-    """Executes the pending lines of one job and writes its output files."""
+    """Executes the pending lines of one job and writes its output files. The constructor
+    checks the job's files against ``files`` (raises JobFileRefused, a ConfigError) and
+    touches nothing else."""
 
     def __init__(self, job_id: str, options: BatchOptions, settings: Settings, client: redis.Redis,
-                 save_progress: Callable[[dict[str, Any]], None], lease_lost: threading.Event | None = None) -> None:
+                 save_progress: Callable[[dict[str, Any]], None], lease_lost: threading.Event | None = None, *,
+                 files: BatchFilesConfig) -> None:
         self.job_id = job_id
         self.options = options
         self.settings = settings
@@ -155,42 +107,69 @@ class BatchRun:
         self.progress = BatchProgress(save_progress)
         self.lease_lost = lease_lost or threading.Event()
         self.defaults = RequestDefaults(max_max_tokens=settings.limits.max_max_tokens)
-        self.render = load_chat_template(options.chat_template)
+        self.files = check_job_files(options, files)
+        self.limits = files.limits
+        self._custom_ids: list[str] = []  # the valid lines', in input order: the results file's order
+        self._last_line_number = 0
         self._paused_until_s = 0.0
         self._next_cancel_check_at_s = 0.0
 
     def run(self) -> dict[str, Any]:
-        """Run to completion (or cancellation); returns the summary stored as the job result."""
-        items = read_batch_input(Path(self.options.input_path), self.render, self.defaults, self.settings)
-        invalid = [i for i in items if isinstance(i, LineError)]
-        if invalid:  # deterministic, so rewriting them on a resume is harmless
-            self.redis.hset(self.keys.errors(self.job_id),
-                            mapping={str(e.line_number): json.dumps(e.to_output()) for e in invalid})
+        """Run to completion (or cancellation); returns the summary stored as the job result.
+        Raises InputTooLarge, before anything is recorded, for an input over the line limit."""
+        total = count_lines(self.files.input_path, self.limits)
+        self._record_invalid_lines()
         finished_ids = {k.decode() for k in self.redis.hkeys(self.keys.results(self.job_id))}
         failed_lines = {int(k) for k in self.redis.hkeys(self.keys.errors(self.job_id))}
-        pending = [i for i in items if isinstance(i, BatchLine)
-                   and i.custom_id not in finished_ids and i.line_number not in failed_lines]
-        self.progress.start(total=len(items), done=len(finished_ids), failed=len(failed_lines))
-        log.info("batch_job_running", job_id=self.job_id, total=len(items), pending=len(pending),
-                 resumed=bool(finished_ids or failed_lines))
+        pending = (i for i in self._read_input() if isinstance(i, BatchLine)
+                   and i.custom_id not in finished_ids and i.line_number not in failed_lines)
+        self.progress.start(total=total, done=len(finished_ids), failed=len(failed_lines))
+        log.info("batch_job_running", job_id=self.job_id, total=total,
+                 pending=total - len(finished_ids) - len(failed_lines), resumed=bool(finished_ids or failed_lines))
         canceled = asyncio.run(self._execute(pending))
         if self.lease_lost.is_set():
             raise RuntimeError("batch job lease lost: another worker runs this job now")
-        self._write_outputs(items)
+        self._write_outputs()
         self.progress.finish(canceled=canceled)
         summary = {**self.progress.values, "output": self.options.output_path, "errors": self.options.errors_path}
         log.info("batch_job_done", job_id=self.job_id, **summary)
         return summary
 
+    # --- reading the input -------------------------------------------------------------------
+
+    def _read_input(self) -> Iterator[BatchLine | LineError]:
+        return read_batch_input(self.files.input_path, self.files.render, self.defaults, self.settings, self.limits)
+
+    def _record_invalid_lines(self) -> None:
+        """One pass over the input: record its invalid lines (deterministic, so rewriting
+        them on a resume is harmless) a chunk at a time, and keep the valid lines' custom ids."""
+        invalid: dict[str, str] = {}
+        for item in self._read_input():
+            self._last_line_number = item.line_number
+            if isinstance(item, BatchLine):
+                self._custom_ids.append(item.custom_id)
+                continue
+            invalid[str(item.line_number)] = json.dumps(item.to_output())
+            if len(invalid) >= REDIS_CHUNK:
+                self.redis.hset(self.keys.errors(self.job_id), mapping=invalid)
+                invalid.clear()
+        if invalid:
+            self.redis.hset(self.keys.errors(self.job_id), mapping=invalid)
+
     # --- the submission loop ---------------------------------------------------------------
 
-    async def _execute(self, pending: list[BatchLine]) -> bool:
-        """Submit ``pending`` with bounded concurrency and rate; True when canceled."""
-        queue = deque(pending)
+    async def _execute(self, pending: Iterator[BatchLine]) -> bool:
+        """Submit ``pending`` with bounded concurrency and rate; True when canceled. Lines
+        are taken from ``pending`` as there is room, so at most ``concurrency`` lines wait
+        in memory beside those in flight."""
+        queue: deque[BatchLine] = deque()
         tasks: dict[asyncio.Task[None], BatchLine] = {}
         limiter = RateLimiter(self.options.max_rate_per_s)
         async with AsyncClient(settings=self.settings, max_connections=self.options.concurrency + 16) as client:
-            while queue or tasks:
+            while True:
+                queue.extend(itertools.islice(pending, max(0, self.options.concurrency - len(queue))))
+                if not queue and not tasks:
+                    return False
                 if await self._should_stop(client):
                     await self._abandon(client, tasks)
                     return not self.lease_lost.is_set()
@@ -207,7 +186,6 @@ class BatchRun:
                 else:
                     await asyncio.sleep(max(0.0, timeout_s))
                 self.progress.maybe_save()
-        return False
 
     async def _should_stop(self, client: AsyncClient) -> bool:
         """Lease lost, or the cancel flag set (read at most every CHECK_INTERVAL_S)."""
@@ -295,41 +273,50 @@ class BatchRun:
 
     # --- output ----------------------------------------------------------------------------
 
-    def _write_outputs(self, items: list[BatchLine | LineError]) -> None:
-        """Results in input order, then errors in line order; each file replaced atomically."""
-        ids = [i.custom_id for i in items if isinstance(i, BatchLine)]
-        results: list[bytes] = []
-        for start in range(0, len(ids), 1000):
-            chunk = self.redis.hmget(self.keys.results(self.job_id), ids[start:start + 1000])
-            results += [r for r in chunk if r is not None]
-        errors = sorted(self.redis.hgetall(self.keys.errors(self.job_id)).items(), key=lambda kv: int(kv[0]))
-        write_lines_atomically(Path(self.options.output_path), results)
-        write_lines_atomically(Path(self.options.errors_path), [v for _, v in errors])
+    def _write_outputs(self) -> None:
+        """Results in input order, then errors in line order, streamed from Redis a chunk at
+        a time; each file replaced atomically."""
+        write_lines_atomically(self.files.output_path, self._stored(self.keys.results(self.job_id), self._custom_ids))
+        line_numbers = (str(n) for n in range(1, self._last_line_number + 1))
+        write_lines_atomically(self.files.errors_path, self._stored(self.keys.errors(self.job_id), line_numbers))
         pipe = self.redis.pipeline(transaction=False)
         pipe.expire(self.keys.results(self.job_id), RESULTS_TTL_S)
         pipe.expire(self.keys.errors(self.job_id), RESULTS_TTL_S)
         pipe.execute()
 
+    def _stored(self, key: str, names: Iterable[str]) -> Iterator[bytes]:
+        """The values of hash ``key`` under ``names``, in order (missing ones skipped)."""
+        names = iter(names)
+        while chunk := list(itertools.islice(names, REDIS_CHUNK)):
+            yield from (value for value in self.redis.hmget(key, chunk) if value is not None)
+
 
 def execute_batch_job(options: dict[str, Any]) -> dict[str, Any]:
-    """The rq job function. Runs with the worker's settings (``BLOCKQ_*`` env, which
-    ``blockq batch worker`` sets); progress goes to ``job.meta`` (done, failed, total)."""
+    """The rq job function. Runs with the worker's settings and file roots (``BLOCKQ_*``
+    env, which ``blockq batch worker`` sets); progress goes to ``job.meta`` (done, failed,
+    total). A job whose files are not allowed fails with the reason, before anything is
+    read, written or leased."""
     from rq import get_current_job
 
     job = get_current_job()
     if job is None:
         raise RuntimeError("execute_batch_job runs inside an rq worker")
     settings = Settings.from_env()
+    files = BatchFilesConfig.from_env()
     client = connect(settings.redis_url or "")
-    lease = LeaseKeeper(client, BatchKeys(settings.key_prefix).lease(job.id), lease_s_from_env())
-    lease.start()
 
     def save_progress(values: dict[str, Any]) -> None:
         job.meta.update(values)
         job.save_meta()
 
     try:
-        return BatchRun(job.id, BatchOptions.from_map(options), settings, client, save_progress, lease.lost).run()
+        lease = LeaseKeeper(client, BatchKeys(settings.key_prefix).lease(job.id), lease_s_from_env())
+        run = BatchRun(job.id, BatchOptions.from_map(options), settings, client, save_progress, lease.lost,
+                       files=files)
+        lease.start()
+        try:
+            return run.run()
+        finally:
+            lease.release()
     finally:
-        lease.release()
         client.close()

@@ -36,9 +36,10 @@ from rq.registry import StartedJobRegistry
 from rq.worker import WorkerStatus
 
 from blockq.config import Settings
+from blockq.frontdoors.batch.files import BatchFilesConfig
+from blockq.frontdoors.batch.job_lease import lease_s_from_env
 from blockq.frontdoors.batch.jobs import JOB_FUNCTION, JOB_SERIALIZER, rq_connection
 from blockq.frontdoors.batch.keys import BatchKeys
-from blockq.frontdoors.batch.runner import lease_s_from_env
 
 log = structlog.get_logger(__name__)
 
@@ -180,11 +181,13 @@ class AbandonedJobRecovery:
                 log.warning("batch_recovery_scan_failed", exc_info=True)
 
 
-def run_worker(settings: Settings, *, burst: bool = False, name: str | None = None) -> int:
+def run_worker(settings: Settings, files: BatchFilesConfig, *, burst: bool = False, name: str | None = None) -> int:
     """Run a batch worker until SIGTERM/SIGINT (or, with ``burst``, until the queue is empty).
-    The jobs it runs see its settings through ``BLOCKQ_REDIS_URL`` / ``BLOCKQ_KEY_PREFIX``."""
+    The jobs it runs see its settings through ``BLOCKQ_REDIS_URL`` / ``BLOCKQ_KEY_PREFIX``
+    and its roots and limits through ``BLOCKQ_BATCH_*`` (:meth:`BatchFilesConfig.to_env`)."""
     os.environ["BLOCKQ_REDIS_URL"] = settings.redis_url or ""
     os.environ["BLOCKQ_KEY_PREFIX"] = settings.key_prefix
+    os.environ.update(files.to_env())
     connection = rq_connection(settings)
     recovery = AbandonedJobRecovery(rq_connection(settings), settings, lease_s_from_env())
     recovery.scan_once()
@@ -192,7 +195,9 @@ def run_worker(settings: Settings, *, burst: bool = False, name: str | None = No
     keys = BatchKeys(settings.key_prefix)
     queue = Queue(keys.queue_name, connection=connection, serializer=JOB_SERIALIZER)
     worker = BatchWorker([queue], connection=connection, name=name, batch_keys=keys, serializer=JOB_SERIALIZER)
-    log.info("batch_worker_started", queue=queue.name, worker=worker.name, pid=os.getpid())
+    log.info("batch_worker_started", queue=queue.name, worker=worker.name, pid=os.getpid(),
+             input_root=str(files.input_root), output_root=str(files.output_root),
+             max_line_bytes=files.limits.max_line_bytes, max_lines=files.limits.max_lines)
     try:
         worker.work(burst=burst, logging_level=settings.log_level.upper())
     finally:
