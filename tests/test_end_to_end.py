@@ -21,7 +21,8 @@ def cluster(tmp_path: Path):
     """A 2-instance cluster with its own embedded Redis; always torn down."""
     state_dir = tmp_path / "state"
     env = {"BLOCKQ_STATE_DIR": str(state_dir), "BLOCKQ_REDIS_URL": ""}
-    up = run_blockq("up", "--instances", "2", "--time-scale", "0.25", "--detach", "--json", env=env)
+    up = run_blockq("up", "--instances", "2", "--time-scale", "0.25", "--metrics-base-port", "0", "--detach", "--json",
+                    env=env)
     try:
         assert up.returncode == 0, up.stderr + up.stdout
         report = json.loads(up.stdout)
@@ -84,7 +85,8 @@ def test_up_replay_status_down(cluster) -> None:  # noqa: ANN001
 def test_block_policy_end_to_end(tmp_path: Path) -> None:
     """`blockq up --policy block`: requests complete and carry the dispatcher's forecast."""
     env = {"BLOCKQ_STATE_DIR": str(tmp_path / "state"), "BLOCKQ_REDIS_URL": ""}
-    up = run_blockq("up", "--instances", "3", "--policy", "block", "--time-scale", "0.25", "--detach", env=env)
+    up = run_blockq("up", "--instances", "3", "--policy", "block", "--time-scale", "0.25", "--metrics-base-port", "0",
+                    "--detach", env=env)
     try:
         assert up.returncode == 0, up.stderr + up.stdout
         state = ClusterState.read(tmp_path / "state")

@@ -303,22 +303,40 @@ def test_worker_process_serves_metrics_on_the_env_port(settings: Settings, tmp_p
             process.wait()
 
 
-async def test_a_taken_metrics_port_is_logged_and_the_service_goes_on() -> None:
+async def test_a_taken_metrics_port_stops_the_service_naming_the_port() -> None:
+    """A service that cannot bind its metrics port exits at start-up, naming the port and
+    who holds it: running on without metrics hid a leaked dispatcher that was answering
+    the scrapes in its place."""
     import structlog
 
-    from blockq.runtime.metrics_server import serving_metrics
+    from blockq.runtime.metrics_server import MetricsPortUnavailable, serving_metrics
 
     registry = WorkerMetrics().registry
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = int(taken.getsockname()[1])
-        with structlog.testing.capture_logs() as logs:
-            async with serving_metrics(registry, MetricsEndpoint(port), "worker") as server:
-                assert server is None
-    assert [entry["port"] for entry in logs if entry["event"] == "metrics_server_failed"] == [port]
+        with structlog.testing.capture_logs() as logs, pytest.raises(MetricsPortUnavailable) as raised:
+            async with serving_metrics(registry, MetricsEndpoint(port), "worker"):
+                pytest.fail("the block ran without its metrics port")
+    assert isinstance(raised.value, SystemExit) and raised.value.code != 0
+    assert f"worker: metrics port {port} on 127.0.0.1 is taken" in str(raised.value)
+    assert f"pid {os.getpid()}" in str(raised.value)  # this process holds it
+    assert [entry["port"] for entry in logs if entry["event"] == "metrics_port_unavailable"] == [port]
     async with serving_metrics(registry, MetricsEndpoint(0), "worker") as server:
         assert server is not None and server.port > 0
+
+
+def test_a_service_exits_non_zero_on_a_taken_metrics_port(settings: Settings) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = int(taken.getsockname()[1])
+        process = subprocess.run([sys.executable, "-m", "dispatcher", "--metrics-port", str(port)],
+                                 env={**os.environ, "BLOCKQ_REDIS_URL": settings.redis_url or ""},
+                                 capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert process.returncode != 0
+    assert f"dispatcher: metrics port {port} on 127.0.0.1 is taken" in process.stderr, process.stderr
 
 
 # --- ports: validation, `blockq up`, `blockq status` ---------------------------------------

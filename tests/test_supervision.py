@@ -49,7 +49,9 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
     state_dir = tmp_path / "state"
     env = {"BLOCKQ_STATE_DIR": str(state_dir), "BLOCKQ_REDIS_URL": ""}
     try:
-        up = run_blockq("up", "--instances", "1", "--time-scale", "0.1", "--detach", "--json", env=env)
+        # No metrics ports: a fixed one taken by another cluster on this machine stops `up`.
+        up = run_blockq("up", "--instances", "1", "--time-scale", "0.1", "--metrics-base-port", "0", "--detach",
+                        "--json", env=env)
         assert up.returncode == 0, up.stderr + up.stdout
         state = ClusterState.read(state_dir)
         assert state is not None

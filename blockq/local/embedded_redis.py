@@ -21,7 +21,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +78,8 @@ class EmbeddedRedis:
     password: str
     maxmemory: str = DEFAULT_MAXMEMORY
     extra_config: tuple[str, ...] = ()
+    # Added to the server's environment (a cluster's marker, blockq.local.state.CLUSTER_ENV).
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def url(self) -> str:
@@ -90,7 +92,7 @@ class EmbeddedRedis:
         """A new server on the same port, data directory (AOF), password and configuration."""
         self.stop()
         return start_embedded_redis(self.data_dir, port=self.port, timeout_s=timeout_s,
-                                    maxmemory=self.maxmemory, extra_config=self.extra_config)
+                                    maxmemory=self.maxmemory, extra_config=self.extra_config, env=dict(self.env))
 
     @property
     def pid(self) -> int:
@@ -165,12 +167,14 @@ def write_server_config(data_dir: Path, port: int, password: str, maxmemory: str
 
 
 def start_embedded_redis(data_dir: Path, port: int | None = None, timeout_s: float = 15.0,
-                         maxmemory: str = DEFAULT_MAXMEMORY, extra_config: Sequence[str] = ()) -> EmbeddedRedis:
+                         maxmemory: str = DEFAULT_MAXMEMORY, extra_config: Sequence[str] = (),
+                         env: Mapping[str, str] | None = None) -> EmbeddedRedis:
     """Start redis-server with its data in ``data_dir`` and wait until it answers PING.
 
     The password is the one already in ``data_dir`` (a restart keeps it), else a new one;
     servers that must share one (a primary and its replicas) are given the same file.
-    ``extra_config``: as :func:`write_server_config`."""
+    ``extra_config``: as :func:`write_server_config`; ``env``: added to the server's
+    environment."""
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     port = port or free_port()
     password = read_or_create_password(data_dir)
@@ -178,9 +182,10 @@ def start_embedded_redis(data_dir: Path, port: int | None = None, timeout_s: flo
     # Own session: a Ctrl-C on the terminal reaches the supervisor, which stops Redis last.
     # umask 0o077: the AOF and the log are readable by this user only.
     process = subprocess.Popen([find_redis_server(), str(config_path.resolve())], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True, umask=0o077)
+                               stderr=subprocess.DEVNULL, start_new_session=True, umask=0o077,
+                               env={**os.environ, **(env or {})})
     server = EmbeddedRedis(process=process, port=port, data_dir=data_dir, password=password, maxmemory=maxmemory,
-                           extra_config=tuple(extra_config))
+                           extra_config=tuple(extra_config), env=tuple(sorted((env or {}).items())))
     _wait_for_ping(server, timeout_s)
     log.info("embedded_redis_started", port=port, pid=process.pid, data_dir=str(data_dir))
     return server

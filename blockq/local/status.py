@@ -77,10 +77,7 @@ def _pending(client: redis.Redis, stream: str, group: str) -> int:
 
 
 def _redacted(url: str | None) -> str | None:
-    """The URL without its password."""
-    if not url or "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    credentials, host = rest.rsplit("@", 1)
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}"
+    """The URL without its secrets (userinfo and option passwords, the Sentinels' too)."""
+    from blockq.wire.redis_url import redact_url  # the one redaction of Redis URLs
+
+    return redact_url(url) if url else url

@@ -15,7 +15,10 @@ Files the cluster writes (state file, logs, the Redis AOF) are created with umas
 
 The supervisor is the only process that owns the children; ``blockq down`` asks it to
 stop (SIGTERM) and it stops workers first (they drain), then the other services, then
-the embedded Redis.
+the embedded Redis. So that ``down`` can always find what it started, the supervisor
+records itself (``supervisor.json``) before it starts anything, rewrites ``cluster.json``
+after each process it starts, and gives every child ``BLOCKQ_CLUSTER`` in its environment
+(:mod:`blockq.local.state`, :mod:`blockq.local.teardown`).
 
 Under autoscale (:class:`WorkerScaling`) it is also the local actuator of the dispatcher
 leader's decisions: about once a second it reads ``autoscaler:desired`` and grows the
@@ -45,7 +48,13 @@ import redis
 import structlog
 
 from blockq.local.embedded_redis import DEFAULT_MAXMEMORY, EmbeddedRedis, start_embedded_redis
-from blockq.local.state import ClusterState, pid_alive
+from blockq.local.state import (
+    CLUSTER_ENV,
+    ClusterState,
+    ProcessIdentity,
+    cluster_marker,
+    record_supervisor,
+)
 from blockq.wire.streams import connect
 
 log = structlog.get_logger(__name__)
@@ -127,6 +136,10 @@ class Supervisor:
         self._redis: redis.Redis | None = None
         self._scaling_seeded = False
         self._next_poll_at_s = 0.0
+        # child name -> deaths in a row and the last exit code, for the state file
+        self._failures: dict[str, dict[str, int]] = {}
+        # Inherited by every child and by what it starts: `down` finds them all by it.
+        self._marker_env = {CLUSTER_ENV: cluster_marker(state_dir)}
         if scaling is not None:
             self.children += [Child(scaling.worker_spec(index), index=index) for index in range(scaling.initial)]
 
@@ -136,18 +149,11 @@ class Supervisor:
         os.umask(0o077)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         (self.state_dir / "logs").mkdir(exist_ok=True)
-        if self.redis_url is None:
-            self.embedded = start_embedded_redis(self.state_dir / "redis", maxmemory=self.redis_maxmemory)
-            self.redis_url = self.embedded.url
-        state = ClusterState(supervisor_pid=os.getpid(), redis_url=self.redis_url,
-                             embedded_redis=self.embedded is not None, gateway_url=self.gateway_url,
-                             num_instances=self.num_instances, started_at_s=time.time())
+        identity = ProcessIdentity.try_of(os.getpid())
+        if identity is not None:  # first thing: from now on `down` finds this supervisor
+            record_supervisor(self.state_dir, identity)
         try:
-            if self.scaling is not None:
-                self._seed_scaling(self.scaling)  # before the dispatcher starts: it reads the size there
-            for child in self.children:
-                self._start(child)
-            self._update_state(state, force=True)
+            state = self._start_cluster()
             while not self._stopping:
                 # Redis first: services restarted before it is back would only die again.
                 self._keep_redis_running()
@@ -166,6 +172,26 @@ class Supervisor:
             log.info("cluster_stopped")
         return 0
 
+    def _start_cluster(self) -> ClusterState:
+        """Redis, then every child, the state file rewritten after each start so that it
+        names every process as soon as it runs; a stop asked for meanwhile starts no more."""
+        if self.redis_url is None:
+            self.embedded = start_embedded_redis(self.state_dir / "redis", maxmemory=self.redis_maxmemory,
+                                                 env=self._marker_env)
+            self.redis_url = self.embedded.url
+        state = ClusterState(supervisor_pid=os.getpid(), redis_url=self.redis_url,
+                             embedded_redis=self.embedded is not None, gateway_url=self.gateway_url,
+                             num_instances=self.num_instances, started_at_s=time.time())
+        self._update_state(state, force=True)
+        if self.scaling is not None:
+            self._seed_scaling(self.scaling)  # before the dispatcher starts: it reads the size there
+        for child in self.children:
+            if self._stopping:
+                break
+            self._start(child)
+            self._update_state(state)
+        return state
+
     def _request_stop(self, signum: int, frame: object) -> None:
         self._stopping = True
 
@@ -183,9 +209,10 @@ class Supervisor:
         with who each pid is."""
         redis_pid = self.embedded.pid if self.embedded else None
         if (not force and state.children == self._child_pids() and state.redis_pid == redis_pid
-                and state.num_instances == self._num_workers()):
+                and state.num_instances == self._num_workers() and state.child_failures == self._failures):
             return
         state.children = self._child_pids()
+        state.child_failures = {name: dict(failure) for name, failure in self._failures.items()}
         state.metrics_urls = {c.spec.name: c.spec.metrics_url for c in self.children if c.spec.metrics_url}
         state.num_instances = self._num_workers()
         state.redis_pid = redis_pid
@@ -211,7 +238,7 @@ class Supervisor:
         log.warning("embedded_redis_restarted", pid=self.embedded.pid, port=self.embedded.port)
 
     def _start(self, child: Child) -> None:
-        env = dict(os.environ, BLOCKQ_REDIS_URL=self.redis_url or "")
+        env = dict(os.environ, BLOCKQ_REDIS_URL=self.redis_url or "", **self._marker_env)
         log_path = self.state_dir / "logs" / f"{child.spec.name}.log"
         if child.log_file is not None:
             child.log_file.close()
@@ -232,6 +259,8 @@ class Supervisor:
             elif child.next_start_at_s == 0.0:
                 child.num_restarts, backoff_s = next_restart(child.num_restarts, now_s - child.started_at_s)
                 child.next_start_at_s = now_s + backoff_s
+                self._failures[child.spec.name] = {"num_restarts": child.num_restarts,
+                                                   "returncode": child.process.returncode}
                 log.error("child_died", child=child.spec.name, returncode=child.process.returncode,
                           restart_in_s=backoff_s, restarts=child.num_restarts)
             elif now_s >= child.next_start_at_s:
@@ -328,36 +357,3 @@ class Supervisor:
                 log.error("child_killed", child=child.spec.name)
                 child.process.kill()
                 child.process.wait()
-
-
-@dataclass(frozen=True)
-class StopReport:
-    """What :func:`stop_cluster` did: processes it had to SIGKILL, and recorded pids it left
-    alone because they now belong to other processes."""
-
-    num_killed: int
-    num_unidentified: int
-
-
-def stop_cluster(state_dir: Path, timeout_s: float) -> StopReport:
-    """``blockq down``: SIGTERM the supervisor (it stops the rest in order), wait up to
-    ``timeout_s``, then SIGKILL what is left. Only processes whose start time and command
-    line match the state file are signalled: a pid reused by a stranger is never touched."""
-    state = ClusterState.read(state_dir)
-    if state is None:
-        return StopReport(0, 0)
-    owned = state.owned_processes()
-    owned_pids = {identity.pid for identity in owned}
-    recorded = {pid for pid in (state.supervisor_pid, state.redis_pid, *state.children.values()) if pid}
-    num_unidentified = sum(1 for pid in recorded if pid not in owned_pids and pid_alive(pid))
-    if num_unidentified:
-        log.warning("down_pids_not_ours", pids=sorted(recorded - owned_pids))
-    for identity in owned:
-        if identity.pid == state.supervisor_pid:
-            identity.try_signal(signal.SIGTERM)
-    deadline_s = time.monotonic() + timeout_s
-    while time.monotonic() < deadline_s and any(identity.is_alive() for identity in owned):
-        time.sleep(0.05)
-    num_killed = sum(1 for identity in owned if identity.try_signal(signal.SIGKILL))
-    ClusterState.remove(state_dir)
-    return StopReport(num_killed, num_unidentified)

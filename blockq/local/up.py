@@ -1,6 +1,7 @@
 """``blockq up`` and ``blockq down``: a local cluster under a supervisor (embedded Redis
 unless ``--redis``), its configuration from a TOML file and flags, and the wait until it
-is ready."""
+is ready. ``up --detach`` reports ready, or fails and leaves nothing running when a child
+cannot start (docs/commands.md, "Stopping a cluster")."""
 
 from __future__ import annotations
 
@@ -23,7 +24,15 @@ from blockq.config import (
     add_scaling_options,
 )
 from blockq.local.cluster_config import ClusterConfig
-from blockq.local.state import ClusterState
+from blockq.local.state import (
+    CLUSTER_ENV,
+    EXEC_GRACE_S,
+    ClusterState,
+    ProcessIdentity,
+    cluster_marker,
+    read_supervisor,
+    record_supervisor,
+)
 from blockq.runtime.service_runner import add_common_arguments, settings_from_args
 
 if TYPE_CHECKING:  # the supervisor is imported only by the command that runs one
@@ -42,6 +51,10 @@ VLLM_UP_OPTIONS = (
     ("--max-model-len", int, "vLLM max_model_len"),
     ("--max-num-seqs", int, "vLLM max_num_seqs"),
 )
+
+# A child that died this many times in a row before the cluster was ready will not come up
+# by itself (a taken port, a bad flag): `up` stops the cluster and says why.
+MAX_START_FAILURES = 3
 
 # `blockq up`'s autoscaling options: each sets the AutoscaleOptions field of its name.
 AUTOSCALE_UP_OPTIONS = (
@@ -151,10 +164,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args, require_redis=False)
     config = _cluster_config(args)
-    state = ClusterState.read(settings.state_dir)
-    if state is not None and state.supervisor_is_alive():
+    running = _running_supervisor(settings.state_dir)
+    if running is not None:
         raise ConfigError(f"state_dir: a cluster is already running from {settings.state_dir} "
-                          f"(supervisor pid {state.supervisor_pid}); run `blockq down` first")
+                          f"(supervisor pid {running}); run `blockq down` first")
     if args.detach:
         return _up_detached(args, settings.state_dir, config, settings.redis_url)
     from blockq.runtime.logs import configure_logging
@@ -165,6 +178,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     gateway_url = f"http://{config.gateway_host}:{config.gateway_port}" if config.gateway else None
     return Supervisor(settings.state_dir, specs, redis_url=settings.redis_url, num_instances=config.instances,
                       gateway_url=gateway_url, redis_maxmemory=config.redis_maxmemory, scaling=scaling).run()
+
+
+def _running_supervisor(state_dir: Path) -> int | None:
+    """The pid of the live supervisor of ``state_dir`` other than this process (a detached
+    supervisor runs this command too, and ``up`` has recorded it already); None if none."""
+    state = ClusterState.read(state_dir)
+    if state is not None and state.supervisor_pid != os.getpid() and state.supervisor_is_alive():
+        return state.supervisor_pid
+    supervisor = read_supervisor(state_dir)
+    if supervisor is not None and supervisor.pid != os.getpid() and supervisor.is_alive():
+        return supervisor.pid
+    return None
 
 
 def _argv_without_secrets(argv: list[str]) -> list[str]:
@@ -187,14 +212,22 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfi
     """Start the supervisor in the background and wait for every instance to be live."""
     started_s = time.monotonic()
     argv = _argv_without_secrets(sys.argv[1:])
-    env = dict(os.environ, BLOCKQ_REDIS_URL=redis_url) if redis_url else dict(os.environ)
+    env = dict(os.environ, **{CLUSTER_ENV: cluster_marker(state_dir)})
+    if redis_url:
+        env["BLOCKQ_REDIS_URL"] = redis_url
     os.umask(0o077)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     (state_dir / "logs").mkdir(exist_ok=True)
     with open(state_dir / "logs" / "supervisor.log", "ab") as log_file:
-        subprocess.Popen([sys.executable, "-m", "blockq.cli", *argv], stdout=log_file, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-    report = wait_until_ready(args, state_dir, config.instances, args.ready_timeout_s)
+        supervisor = subprocess.Popen([sys.executable, "-m", "blockq.cli", *argv], stdout=log_file,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                      env=env)
+    # Recorded at once (the supervisor records itself too, a second later): a `down` from
+    # now on finds it, though it has not written cluster.json yet.
+    identity = ProcessIdentity.try_of(supervisor.pid, exec_grace_s=EXEC_GRACE_S)
+    if identity is not None:
+        record_supervisor(state_dir, identity)
+    report = wait_until_ready(args, state_dir, config.instances, args.ready_timeout_s, supervisor)
     report["ready_s"] = round(time.monotonic() - started_s, 3)
     if args.json:
         print_json(report)
@@ -204,25 +237,78 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfi
     return 0
 
 
-def wait_until_ready(args: argparse.Namespace, state_dir: Path, num_instances: int, timeout_s: float) -> dict[str, Any]:
+def wait_until_ready(args: argparse.Namespace, state_dir: Path, num_instances: int, timeout_s: float,
+                     supervisor: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
+    """The status of the cluster once ``num_instances`` are live and a dispatcher leads.
+    SystemExit naming the cause when ``supervisor`` exits first, when a child keeps dying
+    as it starts (the cluster is stopped then), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if supervisor is not None and supervisor.poll() is not None:
+            raise SystemExit(f"blockq up: the supervisor exited (code {supervisor.returncode}) before the cluster "
+                             f"was ready; see {state_dir / 'logs'}")
+        state = ClusterState.read(state_dir)
+        if state is not None:
+            failure = _start_failure(state_dir, state)
+            if failure is not None:
+                _give_up(state_dir, failure)
+            status = _try_ready_status(args, state, num_instances)
+            if status is not None:
+                return status
+        time.sleep(0.1)
+    raise SystemExit(f"blockq up: cluster not ready within {timeout_s:.0f} s; see {state_dir / 'logs'} "
+                     f"(it is still starting: `blockq down` stops it)")
+
+
+def _try_ready_status(args: argparse.Namespace, state: ClusterState, num_instances: int) -> dict[str, Any] | None:
+    """The status when the cluster is ready; None while it is not (Redis not answering yet
+    included)."""
+    import redis
+
     from blockq.local.status import add_cluster_urls, collect_status
     from blockq.wire.streams import connect
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = ClusterState.read(state_dir)
-        if state is not None:
-            settings = settings_from_args(args)
-            client = connect(state.redis_url)
-            try:
-                status = collect_status(client, settings)
-            finally:
-                client.close()
-            if status["num_live_instances"] >= num_instances and status["dispatcher_leader"]:
-                add_cluster_urls(status, state)
-                return status
-        time.sleep(0.1)
-    raise SystemExit(f"blockq up: cluster not ready within {timeout_s:.0f} s; see {state_dir / 'logs'}")
+    settings = settings_from_args(args)
+    client = connect(state.redis_url)
+    try:
+        status = collect_status(client, settings)
+    except (redis.RedisError, OSError):
+        return None
+    finally:
+        client.close()
+    if status["num_live_instances"] >= num_instances and status["dispatcher_leader"]:
+        return add_cluster_urls(status, state)
+    return None
+
+
+def _start_failure(state_dir: Path, state: ClusterState) -> str | None:
+    """Why a child of a starting cluster will not come up (its last words), or None."""
+    for name, failure in sorted(state.child_failures.items()):
+        if failure.get("num_restarts", 0) >= MAX_START_FAILURES:
+            return (f"{name} exited {failure['num_restarts']} times in a row while starting "
+                    f"(exit code {failure.get('returncode')}): {_last_line(state_dir / 'logs' / f'{name}.log')}")
+    return None
+
+
+def _last_line(path: Path, max_chars: int = 400) -> str:
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            file.seek(max(0, file.tell() - 8192))
+            lines = [line for line in file.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1][:max_chars] if lines else "(empty log)"
+
+
+def _give_up(state_dir: Path, failure: str) -> None:
+    """Stop the cluster that cannot start, and exit saying why."""
+    from blockq.local.teardown import stop_cluster
+
+    report = stop_cluster(state_dir, timeout_s=30.0)
+    left = (f"; {len(report.survivors)} of its processes could not be stopped: `blockq down`"
+            if report.survivors else "; stopped the cluster")
+    raise SystemExit(f"blockq up: {failure}{left} (logs in {state_dir / 'logs'})")
 
 
 def add_down(sub: argparse._SubParsersAction) -> None:
@@ -233,13 +319,21 @@ def add_down(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from blockq.local.supervisor import stop_cluster
+    """0 once no process of the cluster is left (or none was there); 1, naming each
+    process still running and why, otherwise (its records are kept for the next try)."""
+    from blockq.local.teardown import stop_cluster
 
     settings = settings_from_args(args, require_redis=False)
-    if ClusterState.read(settings.state_dir) is None:
-        sys.stdout.write(f"no cluster running from {settings.state_dir}\n")
+    state_dir = settings.state_dir
+    report = stop_cluster(state_dir, args.timeout_s)
+    if not report.found:
+        sys.stdout.write(f"no cluster running from {state_dir}\n")
         return 0
-    report = stop_cluster(settings.state_dir, args.timeout_s)
+    if report.survivors:
+        lines = "".join(f"  {identity.describe()}: {why}\n" for identity, why in report.survivors)
+        sys.stderr.write(f"blockq down: {len(report.survivors)} processes of the cluster in {state_dir} are still "
+                         f"running:\n{lines}its records stay in {state_dir}: `blockq down` again stops what it can\n")
+        return 1
     notes = []
     if report.num_killed:
         notes.append(f"killed {report.num_killed} stuck processes")

@@ -5,8 +5,11 @@ in one process) and hands it here:
 
 - :func:`serve_metrics` serves ``GET /metrics`` on a port of its own (worker,
   dispatcher, predictor serve); :func:`serving_metrics` does so for the duration of a
-  ``async with`` block and logs, rather than raises, when the port cannot be bound: a
-  taken metrics port must not stop a dispatcher or a worker from serving requests;
+  ``async with`` block, and a port it cannot bind stops the service at start-up
+  (:class:`MetricsPortUnavailable`, naming the port and who holds it): the port is where
+  Prometheus scrapes this service, so running on without it would hand the scrapes to
+  whoever holds it (a leaked process of an earlier cluster) without anyone noticing
+  (docs/commands.md, "A metrics port that is taken");
 - :func:`metrics_response` answers ``GET /metrics`` inside an application that has an
   HTTP port anyway (the gateway, the predictor's HTTP API);
 - :func:`add_metrics_arguments` and :func:`metrics_endpoint_from_args`: the
@@ -23,14 +26,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 from collections.abc import AsyncIterator
 
+import psutil
 import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from blockq.config import METRICS_OFF, METRICS_PORT_ENV, MetricsEndpoint, metrics_endpoint
+from blockq.local.state import CLUSTER_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +54,32 @@ def metrics_response(registry: CollectorRegistry, request: web.Request) -> web.R
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
     return web.Response(body=encoder(registry), headers={"Content-Type": content_type,
                                                          "X-Content-Type-Options": "nosniff"})
+
+
+class MetricsPortUnavailable(SystemExit):
+    """The metrics port cannot be bound. A SystemExit: the service exits non-zero with
+    this one line (its supervisor restarts it; ``blockq up`` reports it)."""
+
+
+def describe_port_holder(port: int) -> str:
+    """Who listens on TCP ``port`` ("pid N (command line), of the blockq cluster in DIR"),
+    as far as this user may see; empty when unknown."""
+    try:
+        holders = sorted({c.pid for c in psutil.net_connections(kind="tcp")
+                          if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid})
+    except psutil.Error:
+        return ""
+    described = []
+    for pid in holders:
+        try:
+            process = psutil.Process(pid)
+            command = " ".join(process.cmdline())[:160]
+            cluster = process.environ().get(CLUSTER_ENV)
+        except psutil.Error:
+            continue
+        # Naming the cluster points at the state directory whose `blockq down` frees the port.
+        described.append(f"pid {pid} ({command})" + (f", of the blockq cluster in {cluster}" if cluster else ""))
+    return "; ".join(described)
 
 
 class MetricsServer:
@@ -92,17 +124,24 @@ async def serve_metrics(registry: CollectorRegistry, endpoint: MetricsEndpoint) 
 @contextlib.asynccontextmanager
 async def serving_metrics(registry: CollectorRegistry, endpoint: MetricsEndpoint | None,
                           component: str) -> AsyncIterator[MetricsServer | None]:
-    """Serve ``registry`` while the block runs (nothing when ``endpoint`` is None). An
-    address that cannot be bound is logged (``metrics_server_failed``) and the block runs
-    without metrics; yields the server, or None."""
+    """Serve ``registry`` while the block runs; yields the server, or None when
+    ``endpoint`` is None (metrics off). An address that cannot be bound is logged
+    (``metrics_port_unavailable``) and raises :class:`MetricsPortUnavailable` before the
+    block runs."""
     server = None
     if endpoint is not None:
         try:
             server = await serve_metrics(registry, endpoint)
-            log.info("metrics_serving", component=component, url=server.url)
         except OSError as exc:
-            log.error("metrics_server_failed", component=component, host=endpoint.host, port=endpoint.port,
-                      error=str(exc))
+            holder = describe_port_holder(endpoint.port) if exc.errno == errno.EADDRINUSE else ""
+            log.error("metrics_port_unavailable", component=component, host=endpoint.host, port=endpoint.port,
+                      error=str(exc), holder=holder or None)
+            problem = ("is taken" + (f" by {holder}" if holder else "") if exc.errno == errno.EADDRINUSE
+                       else f"cannot be bound ({exc})")
+            raise MetricsPortUnavailable(
+                f"{component}: metrics port {endpoint.port} on {endpoint.host} {problem}; stop that process or "
+                f"choose another port (--metrics-port, or `blockq up --metrics-base-port`)") from exc
+        log.info("metrics_serving", component=component, url=server.url)
     try:
         yield server
     finally:
