@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 
 from blockq.client import AsyncClient, AsyncHandle, Overloaded, SubmitSpec
 from blockq.config import Settings
+from blockq.runtime.logs import configure_logging
 from blockq.wire.keys import PAYLOAD_FIELD, Keys
 from blockq.wire.protocol import FinalRecord, decode_reply_entry
 from loadgen.chaos_faults import (
@@ -46,6 +47,7 @@ from loadgen.chaos_faults import (
     ChaosOptions,
     Scenario,
     kill_redis,
+    kill_redis_losing_last_second,
     no_fault,
 )
 
@@ -63,6 +65,7 @@ class Outcome:
     final_text: str | None = None
     finished_at_s: float | None = None
     num_finals: int = 0
+    num_resubmits: int = 0  # times its client submitted it again (Redis lost it)
 
 
 @dataclass
@@ -113,6 +116,8 @@ async def _read(handle: AsyncHandle, outcome: Outcome, started_s: float, deadlin
             outcome.streamed_text += chunk.text
     except TimeoutError:
         return
+    finally:
+        outcome.num_resubmits = handle.num_resubmits
     final = await handle.result(timeout_s=1.0)  # read already: no wait
     outcome.status, outcome.final_text = final.status, final.text
     outcome.finished_at_s = time.monotonic() - started_s
@@ -228,11 +233,13 @@ def run_scenario(scenario: Scenario, base: ChaosOptions | None = None, logs_dir:
     accepted = [o for o in outcomes if o.request_id is not None]
     answered = [o for o in accepted if o.final_text is not None]
     duplicates = [o for o in answered if o.streamed_text != o.final_text or o.num_finals > 1]
-    fault_s = notes.get("fault_done_at_s" if scenario.fault is kill_redis else "fault_at_s", options.fault_at_s)
+    restarts_redis = scenario.fault in (kill_redis, kill_redis_losing_last_second)
+    fault_s = notes.get("fault_done_at_s" if restarts_redis else "fault_at_s", options.fault_at_s)
     statuses: dict[str, int] = {}
     for outcome in answered:
         statuses[outcome.status or "?"] = statuses.get(outcome.status or "?", 0) + 1
     notes["statuses"] = statuses
+    notes["resubmitted"] = sum(o.num_resubmits for o in accepted)
     return ScenarioResult(
         scenario=scenario.name, accepted=len(accepted),
         refused=sum(o.submit_error == "overloaded" for o in outcomes),
@@ -264,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logs-dir", type=Path, default=None, help="keep each scenario's service logs here")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    # Log lines (a client resubmitting, say) on stderr: stdout is the table or the JSON.
+    configure_logging("warning", "chaos")
     unknown = [name for name in args.scenarios.split(",") if name not in SCENARIOS]
     if unknown:
         parser.error(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(SCENARIOS)})")

@@ -128,20 +128,59 @@ async def kill_predictor(cluster: ChaosCluster, client: redis.Redis) -> dict[str
 
 
 async def kill_redis(cluster: ChaosCluster, client: redis.Redis) -> dict[str, Any]:
+    """SIGKILL of the Redis process: what it acknowledged is in the AOF (written before
+    the reply, in the page cache), so nothing is lost."""
+    os.kill(_redis_pid(cluster), signal.SIGKILL)
+    return {"redis_back_after_s": await _wait_for_redis(client, time.monotonic())}
+
+
+async def kill_redis_losing_last_second(cluster: ChaosCluster, client: redis.Redis) -> dict[str, Any]:
+    """SIGKILL of Redis as a machine crash does it under ``appendfsync everysec``: the
+    last second of writes never reached the disk. Redis is frozen (SIGSTOP), its AOF cut
+    back to its size a second before, then killed; the supervisor restarts it on what is
+    left. Requests accepted in that second are gone with their ``submitted`` records:
+    their clients must notice and submit them again (blockq.client_admission)."""
+    pid = _redis_pid(cluster)
+    aof = append_only_file(cluster.state_dir / "redis")
+    size_synced = aof.stat().st_size
+    await asyncio.sleep(1.0)  # the second that is written but not fsynced
+    os.kill(pid, signal.SIGSTOP)
+    num_bytes_lost = aof.stat().st_size - size_synced
+    os.truncate(aof, size_synced)
+    os.kill(pid, signal.SIGKILL)
+    return {"redis_back_after_s": await _wait_for_redis(client, time.monotonic()),
+            "aof_bytes_lost": num_bytes_lost}
+
+
+def _redis_pid(cluster: ChaosCluster) -> int:
     state = cluster.state()
     if not state.redis_pid:
         raise RuntimeError("the cluster has no embedded Redis to kill")
-    os.kill(state.redis_pid, signal.SIGKILL)
-    killed_at_s = time.monotonic()
+    return state.redis_pid
+
+
+def append_only_file(data_dir: Path) -> Path:
+    """The AOF Redis appends to: ``appendonly.aof`` (Redis < 7), else the newest
+    incremental part in ``appendonlydir`` (Redis 7's multi-part AOF)."""
+    single = data_dir / "appendonly.aof"
+    if single.exists():
+        return single
+    parts = sorted((data_dir / "appendonlydir").glob("*.incr.aof"), key=lambda path: path.stat().st_mtime)
+    if not parts:
+        raise RuntimeError(f"no append-only file in {data_dir}")
+    return parts[-1]
+
+
+async def _wait_for_redis(client: redis.Redis, killed_at_s: float, timeout_s: float = 30.0) -> float:
+    """Seconds from ``killed_at_s`` until Redis answers again (the supervisor restarts it)."""
     await asyncio.sleep(0.5)
-    deadline = killed_at_s + 30.0
-    while time.monotonic() < deadline:
+    while time.monotonic() < killed_at_s + timeout_s:
         try:
             await asyncio.to_thread(client.ping)
-            return {"redis_back_after_s": round(time.monotonic() - killed_at_s, 2)}
+            return round(time.monotonic() - killed_at_s, 2)
         except redis.RedisError:
             await asyncio.sleep(0.1)
-    raise TimeoutError("Redis did not come back within 30 s")
+    raise TimeoutError(f"Redis did not come back within {timeout_s:.0f} s")
 
 
 async def flood_malformed(cluster: ChaosCluster, client: redis.Redis) -> dict[str, Any]:
@@ -181,6 +220,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("leader_killed", kill_leader, standby_dispatcher=True),
     Scenario("predictor_killed", kill_predictor),
     Scenario("redis_killed", kill_redis),
+    Scenario("redis_sigkill", kill_redis_losing_last_second),
     Scenario("malformed_flood", flood_malformed),
     Scenario("worker_paused", pause_worker),
     # Far past what 2 instances serve: the excess must be refused, not queued.

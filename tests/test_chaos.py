@@ -14,7 +14,7 @@ pytestmark = pytest.mark.chaos
 
 # Recovery bounds (s): from the fault, or for Redis from Redis answering again.
 RECOVERY_BOUND_S = {"worker_killed": 5.0, "worker_killed_twice": 5.0, "leader_killed": 5.0,
-                    "predictor_killed": 5.0, "redis_killed": 10.0, "malformed_flood": 5.0,
+                    "predictor_killed": 5.0, "redis_killed": 10.0, "redis_sigkill": 10.0, "malformed_flood": 5.0,
                     "worker_paused": 5.0}
 
 

@@ -165,3 +165,136 @@ def test_a_reader_outlives_a_redis_restart(tmp_path: Path) -> None:
     finally:
         client.close()
         server.stop()
+
+
+# --- a request Redis lost after accepting it -------------------------------------------
+
+class Responder:
+    """Answers each request that reaches ``req`` with one final record, through the
+    final-record script (as a worker does: a second final record for an id is refused),
+    and counts the ids it saw."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.seen: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Responder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        from blockq.wire.output import queue_final
+
+        client = redis.Redis.from_url(self.settings.redis_url)
+        keys, last_id = self.settings.keys, "0-0"
+        try:
+            while not self._stop.is_set():
+                for _, entries in client.xread({keys.requests: last_id}, block=100) or []:
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        request = decode_request(fields[PAYLOAD_FIELD.encode()])
+                        self.seen.append(request.id)
+                        pipe = client.pipeline(transaction=False)
+                        queue_final(pipe, keys, request.id, request.reply_stream, "",
+                                    encode(final_for(request.id, 0, "answered")), None, 60)
+                        pipe.execute()
+        finally:
+            client.close()
+
+
+def lose_admission(sync_redis: redis.Redis, settings: Settings, request_id: str) -> None:
+    """What a Redis crash in the second after an admission (AOF fsynced once a second),
+    or a failover before the replica got it, leaves: no submit record, no entry."""
+    ((entry_id, _),) = sync_redis.xrange(settings.keys.requests)
+    sync_redis.delete(settings.keys.submitted(request_id))
+    sync_redis.xdel(settings.keys.requests, entry_id)
+
+
+def num_finals(sync_redis: redis.Redis, settings: Settings, request_id: str) -> int:
+    from blockq.wire.protocol import decode_reply_entry
+
+    return sum(isinstance(decode_reply_entry(f[PAYLOAD_FIELD.encode()]), FinalRecord)
+               for _, f in sync_redis.xrange(settings.keys.reply(request_id)))
+
+
+def test_a_request_redis_lost_is_sent_again_and_answered_once(settings: Settings, sync_redis: redis.Redis) -> None:
+    with Client(settings=settings) as client:
+        handle = client.submit("hello", max_tokens=4)
+        lose_admission(sync_redis, settings, handle.id)
+        with Responder(settings) as responder:
+            final = handle.result(timeout_s=10)
+    assert final.request_id == handle.id and final.text == "answered"
+    assert responder.seen == [handle.id] and handle.num_resubmits == 1  # sent again once, its own id
+    assert sync_redis.exists(settings.keys.submitted(handle.id))
+    assert num_finals(sync_redis, settings, handle.id) == 1
+
+
+async def test_the_async_client_sends_a_lost_request_again(settings: Settings, sync_redis: redis.Redis) -> None:
+    async with AsyncClient(settings=settings) as client:
+        handle = await client.submit("hello", max_tokens=4)
+        lose_admission(sync_redis, settings, handle.id)
+        with Responder(settings) as responder:
+            texts = [chunk.text async for chunk in handle.stream(timeout_s=10)]
+            final = await handle.result(timeout_s=1)
+    assert texts == [] and final.text == "answered"
+    assert responder.seen == [handle.id]
+    assert num_finals(sync_redis, settings, handle.id) == 1
+
+
+def test_a_refused_resubmit_is_tried_again_at_the_next_check(settings: Settings, sync_redis: redis.Redis) -> None:
+    with Client(settings=settings, submit_check_interval_s=0.2) as client:
+        handle = client.submit("hello", max_tokens=4)
+        lose_admission(sync_redis, settings, handle.id)
+        limit = sync_redis.config_get("maxmemory")["maxmemory"]
+        sync_redis.config_set("maxmemory", 1)  # writes refused (noeviction): the resubmit too
+        try:
+            with pytest.raises(TimeoutError):  # refused resubmits do not end the wait
+                handle.result(timeout_s=1.0)
+        finally:
+            sync_redis.config_set("maxmemory", limit)
+        assert handle.num_resubmits == 0 and sync_redis.xlen(settings.keys.requests) == 0
+        with Responder(settings) as responder:
+            assert handle.result(timeout_s=5).text == "answered"
+    assert responder.seen == [handle.id] and handle.num_resubmits == 1
+
+
+def test_a_request_still_recorded_or_answered_is_not_sent_again(settings: Settings,
+                                                                sync_redis: redis.Redis) -> None:
+    from blockq.wire.output import queue_final
+
+    with Client(settings=settings, submit_check_interval_s=0.2) as client:
+        handle = client.submit("hello", max_tokens=4)
+        with pytest.raises(TimeoutError):  # several checks: the submit record is there
+            handle.result(timeout_s=1.0)
+        assert sync_redis.xlen(settings.keys.requests) == 1
+        # Its submit record expired, but it has its final record: nothing to send.
+        pipe = sync_redis.pipeline(transaction=True)
+        pipe.delete(settings.keys.submitted(handle.id))
+        queue_final(pipe, settings.keys, handle.id, handle.request.reply_stream, "",
+                    encode(final_for(handle.id, 0, "done")), None, 60)
+        pipe.execute()
+        assert handle.result(timeout_s=5).text == "done"
+    assert sync_redis.xlen(settings.keys.requests) == 1
+
+
+def test_the_submit_watch_checks_on_schedule_and_at_once_after_a_reconnect() -> None:
+    from blockq.client_admission import SubmitWatch
+    from blockq.wire.keys import Keys
+
+    now_s = [100.0]
+    watch = SubmitWatch(Keys(), "r1", interval_s=1.5, clock=lambda: now_s[0])
+    assert watch.check_keys == ("bq:submitted:{r1}", "bq:final:{r1}")
+    assert not watch.is_due()
+    now_s[0] = 101.6
+    assert watch.is_due()
+    assert not watch.is_lost(num_existing=1) and not watch.is_due()  # recorded: next in 1.5 s
+    watch.after_reconnect()
+    assert watch.is_due()  # a reconnect may follow a crash that lost the admission
+    assert watch.is_lost(num_existing=0) and not watch.is_due()
+    assert watch.num_checks == 2

@@ -71,7 +71,8 @@ async def test_worker_streams_output_and_records_done(settings: Settings, sync_r
     done = [DoneRecord.from_map(unpack_map(f[PAYLOAD_FIELD.encode()])) for _, f in sync_redis.xrange(settings.keys.done)]
     assert sorted(d.request_id for d in done) == sorted(ids)
     assert all(d.output_tokens == 5 and d.predicted_output_tokens == 5 for d in done)
-    assert sync_redis.xlen(settings.keys.instance_queue("w0")) == 0  # ACKed and deleted
+    # ACKed and deleted, in the round trip after the final record's is confirmed.
+    await asyncio.to_thread(wait_until, lambda: sync_redis.xlen(settings.keys.instance_queue("w0")) == 0, 5.0)
     stop.set()
     await task
     await client.aclose()

@@ -171,7 +171,7 @@ async def test_a_dead_loop_stops_the_worker(settings: Settings, sync_redis: redi
     if loop == "intake":
         run.worker.consumer.read = broken  # type: ignore[method-assign]
     else:
-        run.worker._remember_cancel = broken  # type: ignore[method-assign]
+        run.worker.cancels.remember = broken  # type: ignore[method-assign]
         # The cancel loop reads from the stream's end when it starts: a notice sent before
         # its first read is not seen, so send until one is.
         await eventually(lambda: sync_redis.xadd(settings.keys.cancellations, {PAYLOAD_FIELD: "someone-else"})
@@ -189,7 +189,7 @@ async def test_cancel_while_admitting_is_not_lost(settings: Settings, sync_redis
     # Wait until the cancel loop reads the stream (it starts at the stream's end, so a
     # notice sent before its first read is not seen): send warm-ups until one is.
     await eventually(lambda: sync_redis.xadd(settings.keys.cancellations, {PAYLOAD_FIELD: "warm-up"})
-                     and "warm-up" in run.worker._recent_cancels)
+                     and "warm-up" in run.worker.cancels)
     real_admit = run.worker.admit
     request: Request | None = None
 
@@ -197,7 +197,7 @@ async def test_cancel_while_admitting_is_not_lost(settings: Settings, sync_redis
         # The cancel notice (without its flag) is handled while this bundle is in hand.
         assert request is not None
         sync_redis.xadd(settings.keys.cancellations, {PAYLOAD_FIELD: request.id})
-        await eventually(lambda: request.id in run.worker._recent_cancels)
+        await eventually(lambda: request.id in run.worker.cancels)
         await real_admit(entries)
 
     run.worker.admit = admit_during_cancel  # type: ignore[method-assign]

@@ -5,10 +5,13 @@ functions."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from blockq.config import DEFAULT_REFINE_EVERY_TOKENS
-from blockq.wire.protocol import Request
+from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, Settings
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import Request, ValidationError, decode_request
+from blockq.wire.streams import StreamEntry
 from workers.engines.base import Engine, EngineRequestSpec
 
 
@@ -39,6 +42,43 @@ def bundle_room(options: WorkerOptions, engine: Engine, max_in_flight: int, num_
     """How many queue entries the intake may read now: at most a bundle, only what the
     engine can admit soon, and never more in flight than one engine's worth (<= 0: none)."""
     return min(options.bundle_size, engine.num_admittable(), max_in_flight - num_in_flight)
+
+
+@dataclass
+class Bundle:
+    """A bundle read from the queue, sorted: ``fresh`` requests to admit, ``invalid``
+    entries to dead-letter (with the reason), ``duplicates`` to ACK without running."""
+
+    fresh: list[tuple[StreamEntry, Request]] = field(default_factory=list)
+    invalid: list[tuple[StreamEntry, str]] = field(default_factory=list)
+    duplicates: list[StreamEntry] = field(default_factory=list)
+
+
+def sort_bundle(entries: list[StreamEntry], running_entry_ids: Mapping[str, str], settings: Settings) -> Bundle:
+    """Sort ``entries`` (``running_entry_ids``: request id -> the queue entry it runs
+    from here). The very entry running here, re-read (own pending), is in no list: it is
+    never ACKed while it runs. A second entry for a request already here (placed again
+    after this instance looked dead), or twice in the bundle, is a duplicate: the running
+    copy answers."""
+    bundle = Bundle()
+    seen_ids: set[str] = set()
+    for entry in entries:
+        try:
+            if entry.payload is None:
+                raise ValidationError("message", f"entry has no '{PAYLOAD_FIELD}' field")
+            request = decode_request(entry.payload, settings.limits, keys=settings.keys)
+        except Exception as exc:  # ValidationError, or anything else decoding raised
+            bundle.invalid.append((entry, str(exc) if isinstance(exc, ValidationError) else repr(exc)))
+            continue
+        running_entry_id = running_entry_ids.get(request.id)
+        if running_entry_id == entry.entry_id:
+            continue
+        if running_entry_id is not None or request.id in seen_ids:
+            bundle.duplicates.append(entry)
+            continue
+        seen_ids.add(request.id)
+        bundle.fresh.append((entry, request))
+    return bundle
 
 
 def engine_spec(request: Request) -> EngineRequestSpec:

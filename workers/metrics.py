@@ -33,7 +33,9 @@ and blockq's own:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -56,6 +58,31 @@ TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 3.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                  240.0, 480.0, 960.0, 1920.0, 7680.0)
 OUTCOMES = ("ok", "cancelled", "error", "dropped", "dead_lettered")
+
+
+@dataclass
+class WorkerStats:
+    """One worker's own counts (``blockq_worker_requests_total`` reads them)."""
+
+    num_received: int = 0
+    num_finished: int = 0
+    num_cancelled: int = 0
+    num_errors: int = 0
+    num_dropped: int = 0          # fenced off, or answered elsewhere
+    num_dead_lettered: int = 0
+    lag_ms: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
+
+    def count_settled(self, outcome: str, status: str) -> None:
+        """A request settled (``outcome`` as :func:`workers.replies.settle_writes` says;
+        ``status`` its final record's, for one answered here)."""
+        if outcome != "answered":
+            self.num_dropped += 1
+        elif status == "cancelled":
+            self.num_cancelled += 1
+        elif status == "error":
+            self.num_errors += 1
+        else:
+            self.num_finished += 1
 
 
 class _RequestsCollector(Collector):

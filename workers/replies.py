@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockq.client import ReplyReader
+from blockq.client_reader import ReplyReader
 from blockq.config import Settings
-from blockq.wire.output import queue_chunk, queue_final
+from blockq.wire.output import ALREADY_FINAL, FENCED, WRITTEN, queue_chunk, queue_final
 from blockq.wire.protocol import Chunk, DoneRecord, FinalRecord, Request, encode
 from workers.engines.base import EngineStepOutput, TokenEvent
 
@@ -100,6 +100,34 @@ def resume_from(flight: InFlight, reader: ReplyReader) -> None:
     flight.next_chunk_index = reader.next_index
 
 
+async def restore_lost_output(client: Any, flights: list[InFlight]) -> int:
+    """After a Redis outage: put back on each flight's reply stream what Redis lost of
+    this worker's output (a crash under ``appendfsync everysec``, or a failover, loses the
+    last writes it acknowledged). A reader that had not read them would see a hole where
+    the final text has words. One round trip reads the streams; a flight whose stream
+    holds less than it streamed gets one chunk with the missing text, at its token offset,
+    sent first with its next write (it replaces chunks waiting to be sent again, which it
+    covers). A stream with a final record, or text this flight did not write, is left
+    alone. Returns how many flights were repaired."""
+    pipe = client.pipeline(transaction=False)
+    for flight in flights:
+        pipe.xrange(flight.request.reply_stream)
+    num_repaired = 0
+    for flight, entries in zip(flights, await pipe.execute() if flights else [], strict=True):
+        reader = ReplyReader()
+        reader.feed(entries)
+        streamed_text = "".join(flight.text_parts)
+        if (reader.final is not None or reader.num_tokens_received >= flight.num_streamed_tokens
+                or not streamed_text.startswith(reader.text)):
+            continue
+        chunk = Chunk(flight.request.id, flight.next_chunk_index, streamed_text[len(reader.text):],
+                      flight.num_streamed_tokens - reader.num_tokens_received, reader.num_tokens_received)
+        flight.next_chunk_index += 1
+        flight.unsent_chunks = [encode(chunk)]
+        num_repaired += 1
+    return num_repaired
+
+
 def record_step_output(in_flight: dict[str, InFlight], output: EngineStepOutput,
                        now_s: float) -> Iterator[tuple[TokenEvent, InFlight]]:
     """Count the step's preemptions and hand its tokens to their requests (at ``now_s``);
@@ -114,6 +142,42 @@ def record_step_output(in_flight: dict[str, InFlight], output: EngineStepOutput,
             continue
         flight.add_tokens(event, now_s)
         yield event, flight
+
+
+@dataclass(frozen=True)
+class OutputWrite:
+    """An output script queued on a pipeline: its position there, its request, and for a
+    chunk its payload (sent again if the write fails)."""
+
+    position: int
+    flight: InFlight
+    is_final: bool
+    chunk: bytes | None = None
+
+
+def settle_writes(results: list[Any], writes: list[OutputWrite]
+                  ) -> tuple[dict[str, tuple[InFlight, str]], list[tuple[OutputWrite, Any]]]:
+    """The outcome of a pipeline's output writes (``results``: its results, exceptions in
+    place): the requests settled by id, with how (``answered``: its final record written
+    here; ``answered_elsewhere``; ``fenced``), and the writes that failed. A failed
+    chunk is put back on its flight's ``unsent_chunks`` (in pipeline order) to go out
+    first next time; a failed final record settles nothing, so it is written again."""
+    done: dict[str, tuple[InFlight, str]] = {}
+    failed: list[tuple[OutputWrite, Any]] = []
+    for write in writes:
+        result = results[write.position]
+        request_id = write.flight.request.id
+        if isinstance(result, Exception):
+            failed.append((write, result))
+            if write.chunk is not None:
+                write.flight.unsent_chunks.append(write.chunk)
+        elif result == FENCED:
+            done[request_id] = (write.flight, "fenced")
+        elif result == ALREADY_FINAL:
+            done.setdefault(request_id, (write.flight, "answered_elsewhere"))
+        elif result == WRITTEN and write.is_final:
+            done.setdefault(request_id, (write.flight, "answered"))
+    return done, failed
 
 
 class ReplyWriter:

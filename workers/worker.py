@@ -21,8 +21,14 @@ notices are remembered (bounded) so one that arrives while its request is being
 admitted is not lost. An exception while admitting or answering one entry answers that
 request with status ``error`` (or dead-letters the entry) and the worker goes on.
 
-The intake, cancel and heartbeat loops are supervised: when one dies the worker stops
-(unfinished work stays pending in Redis, the last beat says ``stopped``) and
+The intake, cancel and heartbeat loops ride out Redis outages of any length: a Redis
+connection or timeout error ends one iteration, and the loop backs off (0.1 s doubling to
+2 s) and tries again (:mod:`workers.redis_outage`). The engine steps on; its output waits
+and is written after, what Redis lost of the streams put back first
+(:mod:`workers.answering`). After an outage the intake reads its own pending entries again
+(an entry read whose reply was lost would otherwise wait for a restart). Anything else
+that ends a loop is a bug: the
+worker stops (unfinished work stays pending in Redis, the last beat says ``stopped``) and
 :meth:`InstanceWorker.run` raises :class:`WorkerFailed`, so the process exits non-zero
 and its supervisor restarts it.
 """
@@ -33,63 +39,38 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 import structlog
 
-from blockq.client import ReplyReader
+from blockq.client_reader import ReplyReader
 from blockq.config import Settings
 from blockq.wire.health import InstanceState
 from blockq.wire.keys import GROUP_WORK, PAYLOAD_FIELD
-from blockq.wire.output import ALREADY_FINAL, FENCED, WRITTEN
-from blockq.wire.protocol import Request, ValidationError, decode_request, encode
+from blockq.wire.protocol import Request, encode
 from blockq.wire.streams import GroupConsumer, StreamEntry
-from workers.engines.base import Engine, EngineStepOutput
+from workers.answering import MAX_ERROR_CHARS, Answering
+from workers.cancels import CancelNotices
+from workers.engines.base import Engine
 from workers.heartbeat import HeartbeatBuilder
-from workers.intake import WorkerOptions, bundle_room, engine_spec
-from workers.metrics import InstanceMetrics, WorkerMetrics
+from workers.intake import WorkerOptions, bundle_room, engine_spec, sort_bundle
+from workers.metrics import InstanceMetrics, WorkerMetrics, WorkerStats
+from workers.redis_outage import REDIS_DOWN, RedisOutage, run_riding_out_redis
 from workers.refine_client import RefinementClient
 from workers.refinement import RefinementBook
-from workers.replies import Answer, InFlight, ReplyWriter, record_step_output, resume_from
+from workers.replies import Answer, InFlight, ReplyWriter, resume_from
 
 log = structlog.get_logger(__name__)
-
-MAX_ERROR_CHARS = 500
-MAX_RECENT_CANCELS = 10_000
 
 
 class WorkerFailed(Exception):
     """One of the worker's loops died; the worker stopped and should be restarted."""
 
 
-@dataclass(frozen=True)
-class _Write:
-    """An output script queued on a pipeline: its position there, its request, and for a
-    chunk its payload (sent again if the write fails)."""
-
-    position: int
-    flight: InFlight
-    is_final: bool
-    chunk: bytes | None = None
-
-
-@dataclass
-class WorkerStats:
-    num_received: int = 0
-    num_finished: int = 0
-    num_cancelled: int = 0
-    num_errors: int = 0
-    num_dropped: int = 0          # fenced off, or answered elsewhere
-    num_dead_lettered: int = 0
-    lag_ms: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
-
-
-class InstanceWorker:
-    """Serves one engine instance."""
+class InstanceWorker(Answering):
+    """Serves one engine instance (its answering phase: :class:`workers.answering.Answering`)."""
 
     def __init__(self, client: aioredis.Redis, settings: Settings, instance_id: str, engine: Engine,
                  options: WorkerOptions | None = None, metrics: WorkerMetrics | None = None) -> None:
@@ -105,7 +86,6 @@ class InstanceWorker:
                                       dead_letter_stream=self.keys.dead_letters,
                                       claim_idle_ms=settings.claim_idle_ms, claim_stale=False,
                                       settings=settings)
-        self.in_flight: dict[str, InFlight] = {}
         self.replies = ReplyWriter(settings, instance_id, engine.time_scale)
         self.refiner = (RefinementClient(self.options.refine_url, RefinementBook(self.options.refine_every_tokens))
                         if self.options.refine_url else None)
@@ -116,10 +96,8 @@ class InstanceWorker:
         self._work_arrived = asyncio.Event()
         self._stopping = False
         self._failure: BaseException | None = None
-        # Flights whose answer is decided and whose final record is not confirmed yet.
-        self._to_answer: dict[str, InFlight] = {}
-        self._cancels_to_apply: set[str] = set()
-        self._recent_cancels: dict[str, None] = {}  # insertion-ordered, bounded
+        self._init_answering()
+        self.cancels = CancelNotices(client, self.keys.cancellations)
         # Requests handed to the engine and not yet ACKed: at most one engine's worth.
         self.max_in_flight = int(engine.engine_config().get("max_num_seqs") or 1)
         self.metrics: InstanceMetrics = (metrics or WorkerMetrics()).attach(self)
@@ -129,8 +107,7 @@ class InstanceWorker:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then drain: finish what was started, then return.
         Raises :class:`WorkerFailed` when a loop died (the worker stopped without draining)."""
-        await self.consumer.ensure_group()
-        await self.publish_heartbeat(InstanceState.JOINING)
+        await self._start(stop)
         tasks = [asyncio.create_task(self._intake_loop(stop), name=f"intake-{self.instance_id}"),
                  asyncio.create_task(self._cancel_loop(stop), name=f"cancel-{self.instance_id}"),
                  asyncio.create_task(self._heartbeat_loop(), name=f"beat-{self.instance_id}")]
@@ -152,6 +129,20 @@ class InstanceWorker:
             log.info("worker_stopped", instance=self.instance_id, finished=self.stats.num_finished)
         if self._failure is not None:
             raise WorkerFailed(f"worker {self.instance_id}: {self._failure!r}") from self._failure
+
+    async def _start(self, stop: asyncio.Event) -> None:
+        """Create the group and publish the first beat, however long Redis takes to answer
+        (a worker started during an outage waits instead of exiting)."""
+        started = False
+
+        async def start_once() -> None:
+            nonlocal started
+            await self.consumer.ensure_group()
+            await self.publish_heartbeat(InstanceState.JOINING)
+            started = True
+
+        await run_riding_out_redis(start_once, lambda: not started and not stop.is_set(),
+                                   RedisOutage(self.instance_id, "start"))
 
     def _watch_loop(self, stop: asyncio.Event, task: asyncio.Task[None]) -> None:
         """A loop ended: unless the worker is stopping, that is a failure that stops it
@@ -179,7 +170,8 @@ class InstanceWorker:
             if stop.is_set() and not self.draining:
                 self.draining = True
                 log.info("worker_draining", instance=self.instance_id, in_flight=len(self.in_flight))
-                await self.publish_heartbeat(InstanceState.DRAINING)
+                with contextlib.suppress(*REDIS_DOWN):  # the heartbeat loop says it too
+                    await self.publish_heartbeat(InstanceState.DRAINING)
             if self.engine.has_unfinished_requests():
                 output = await self.engine.step()
                 if self._failure is not None:
@@ -207,16 +199,28 @@ class InstanceWorker:
     # --- intake -------------------------------------------------------------------------
 
     async def _intake_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set() and not self._stopping and self._failure is None:
-            room = bundle_room(self.options, self.engine, self.max_in_flight, len(self.in_flight))
-            if room <= 0:
-                await asyncio.sleep(self.options.idle_poll_ms / 1000 / 4)
-                continue
-            entries = await self.consumer.read(room, self.options.idle_poll_ms)
-            if entries and not await self.admit(entries):
-                # Only entries already running here came back (own pending re-read): wait
-                # rather than spin on Redis.
-                await asyncio.sleep(self.options.idle_poll_ms / 1000)
+        # An iteration cut off by an outage may have read entries whose reply was lost:
+        # they are pending here and nobody else claims them, so read own pending again.
+        await run_riding_out_redis(self._take_bundle,
+                                   lambda: not stop.is_set() and not self._stopping and self._failure is None,
+                                   RedisOutage(self.instance_id, "intake"), on_error=self._after_redis_error)
+
+    def _after_redis_error(self) -> None:
+        self.consumer.reread_own_pending()
+        self._output_maybe_lost = True
+
+    async def _take_bundle(self) -> None:
+        room = bundle_room(self.options, self.engine, self.max_in_flight, len(self.in_flight))
+        if room <= 0:
+            await asyncio.sleep(self.options.idle_poll_ms / 1000 / 4)
+            return
+        # Running entries are held on purpose: re-reading them is not a failed delivery.
+        held_ids = {flight.entry_id for flight in self.in_flight.values()}
+        entries = await self.consumer.read(room, self.options.idle_poll_ms, held_ids=held_ids)
+        if entries and not await self.admit(entries):
+            # Only entries already running here came back (own pending re-read): wait
+            # rather than spin on Redis.
+            await asyncio.sleep(self.options.idle_poll_ms / 1000)
 
     async def admit(self, entries: list[StreamEntry]) -> int:
         """Hand a bundle to the engine. Invalid entries are dead-lettered; cancelled,
@@ -247,28 +251,13 @@ class InstanceWorker:
 
     def _decode_bundle(self, pipe: Any, entries: list[StreamEntry]) -> list[tuple[StreamEntry, Request]]:
         """The entries to admit; undecodable ones are dead-lettered, duplicates ACKed."""
-        fresh: list[tuple[StreamEntry, Request]] = []
-        seen_ids: set[str] = set()
-        for entry in entries:
-            try:
-                if entry.payload is None:
-                    raise ValidationError("message", f"entry has no '{PAYLOAD_FIELD}' field")
-                request = decode_request(entry.payload, self.settings.limits, keys=self.keys)
-            except Exception as exc:  # ValidationError, or anything else decoding raised
-                self.consumer.dead_letter(pipe, entry, str(exc) if isinstance(exc, ValidationError) else repr(exc))
-                self.stats.num_dead_lettered += 1
-                continue
-            running = self.in_flight.get(request.id)
-            if running is not None and running.entry_id == entry.entry_id:
-                continue  # the very entry running here, re-read: never ACK it
-            if running is not None or request.id in seen_ids:
-                # A second entry for a request already here (placed again after this
-                # instance looked dead): the running copy answers; drop this one.
-                self.consumer.ack(pipe, [entry.entry_id])
-                continue
-            seen_ids.add(request.id)
-            fresh.append((entry, request))
-        return fresh
+        bundle = sort_bundle(entries, {rid: flight.entry_id for rid, flight in self.in_flight.items()},
+                             self.settings)
+        for entry, reason in bundle.invalid:
+            self.consumer.dead_letter(pipe, entry, reason)
+            self.stats.num_dead_lettered += 1
+        self.consumer.ack(pipe, [entry.entry_id for entry in bundle.duplicates])
+        return bundle.fresh
 
     def _admit_one(self, pipe: Any, entry: StreamEntry, request: Request, is_flagged: object,
                    reply_entries: object, now_wall_s: float) -> None:
@@ -286,8 +275,8 @@ class InstanceWorker:
             return
         resume_from(flight, reader)
         # Checked here, with no await before the engine takes it: a cancel notice the
-        # cancel loop saw while this bundle was being read is in `_recent_cancels`.
-        if is_flagged or request.id in self._recent_cancels:
+        # cancel loop saw while this bundle was being read is in `self.cancels`.
+        if is_flagged or request.id in self.cancels:
             self._decide(flight, Answer("cancelled", "abort"))
             return
         problem = self.engine.validate(spec)
@@ -302,176 +291,30 @@ class InstanceWorker:
             raise
         self.beats.record_delivery(request, now_wall_s)
 
-    def _decide(self, flight: InFlight, answer: Answer) -> None:
-        """Fix ``flight``'s answer (first decision wins); the step loop writes it."""
-        if flight.answer is not None:
-            return
-        flight.answer = answer
-        self.in_flight[flight.request.id] = flight
-        self._to_answer[flight.request.id] = flight
-        self._work_arrived.set()
-
-    def _answer_failure(self, entry: StreamEntry, request: Request, now_wall_s: float, reason: str) -> None:
-        """Answer ``request`` with status ``error`` after an exception handling it."""
-        with contextlib.suppress(Exception):
-            self.engine.abort_request(request.id)
-        flight = self.in_flight.get(request.id) or InFlight(request=request, entry_id=entry.entry_id,
-                                                             received_at_s=now_wall_s, prompt_tokens=0)
-        flight.answer = None
-        self._decide(flight, Answer("error", "abort", reason[:MAX_ERROR_CHARS]))
-
-    # --- output -------------------------------------------------------------------------
-
-    async def _write_outputs(self, output: EngineStepOutput | None) -> None:
-        """Write a step's chunks, then the answers decided (finished this step, cancelled,
-        failed at admission, or not confirmed last time), in one pipeline."""
-        pipe = self.client.pipeline(transaction=False)
-        writes: list[_Write] = []
-        now_wall_s = time.time()
-        if output is not None:
-            for event, flight in record_step_output(self.in_flight, output, now_wall_s):
-                if flight.answer is not None:
-                    continue
-                if event.error is not None:
-                    self._decide(flight, Answer("error", "abort", event.error[:MAX_ERROR_CHARS]))
-                elif event.finished:
-                    self._decide(flight, Answer("ok", event.finish_reason or "stop"))
-                elif event.is_first or flight.due_for_flush(now_wall_s, self.options.stream_interval_ms):
-                    self._queue_flush(pipe, flight, writes)
-        # After the step's events: a request that finished in the step its cancel came
-        # in is answered `ok` once, not also `cancelled`.
-        for request_id in self._cancels_to_apply:
-            flight = self.in_flight.get(request_id)
-            if flight is not None and flight.answer is None:
-                self.engine.abort_request(request_id)
-                self._decide(flight, Answer("cancelled", "abort"))
-        self._cancels_to_apply.clear()
-        for flight in list(self._to_answer.values()):
-            self._queue_answer(pipe, flight, writes)
-        if len(pipe):
-            await self._settle(await pipe.execute(raise_on_error=False), writes)
-
-    def _queue_flush(self, pipe: Any, flight: InFlight, writes: list[_Write]) -> None:
-        try:
-            chunks = self.replies.flush(pipe, flight)
-        except Exception as exc:
-            log.exception("flush_failed", instance=self.instance_id, request_id=flight.request.id)
-            self._answer_failure(StreamEntry(flight.entry_id, None), flight.request, time.time(),
-                                 f"writing output failed: {exc!r}")
-            return
-        writes.extend(_Write(position, flight, False, payload) for position, payload in chunks)
-
-    def _queue_answer(self, pipe: Any, flight: InFlight, writes: list[_Write]) -> None:
-        """Queue the rest of ``flight``'s output and its final record; when that raises,
-        answer ``error`` instead, and when even that raises, dead-letter the entry."""
-        if flight.answer is None:
-            return
-        try:
-            chunks = self.replies.flush(pipe, flight)
-            writes.extend(_Write(position, flight, False, payload) for position, payload in chunks)
-            writes.append(_Write(self.replies.finish(pipe, flight, flight.answer), flight, is_final=True))
-            return
-        except Exception as exc:
-            log.exception("answer_failed", instance=self.instance_id, request_id=flight.request.id)
-            reason = f"answering failed: {exc!r}"[:MAX_ERROR_CHARS]
-        try:
-            flight.answer = Answer("error", "abort", reason)
-            writes.append(_Write(self.replies.finish(pipe, flight, flight.answer), flight, is_final=True))
-        except Exception:
-            payload = None
-            with contextlib.suppress(Exception):
-                payload = encode(flight.request)
-            self.consumer.dead_letter(pipe, StreamEntry(flight.entry_id, payload), reason)
-            self.stats.num_dead_lettered += 1
-            self._forget(flight.request.id)
-
-    async def _settle(self, results: list[Any], writes: list[_Write]) -> None:
-        """Read each output write's outcome; ACK the entries of requests answered (here
-        or elsewhere) or no longer owned, then forget them. A final record whose write
-        failed stays to answer, and is written again next round."""
-        done: dict[str, tuple[InFlight, str]] = {}
-        for write in writes:
-            result = results[write.position]
-            request_id = write.flight.request.id
-            if isinstance(result, Exception):
-                log.error("output_write_failed", instance=self.instance_id, request_id=request_id,
-                          final=write.is_final, error=repr(result))
-                if write.chunk is not None:
-                    write.flight.unsent_chunks.append(write.chunk)  # in pipeline order
-            elif result == FENCED:
-                done[request_id] = (write.flight, "fenced")
-            elif result == ALREADY_FINAL:
-                done.setdefault(request_id, (write.flight, "answered_elsewhere"))
-            elif result == WRITTEN and write.is_final:
-                done.setdefault(request_id, (write.flight, "answered"))
-        if not done:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for flight, _ in done.values():
-            self.consumer.ack(pipe, [flight.entry_id])
-        await pipe.execute()
-        # Settled requests leave `in_flight` only once their ACK is written: until then
-        # they still count against the bundle room, so the queue's pending entries never
-        # exceed what the engine holds.
-        for request_id, (flight, outcome) in done.items():
-            self._forget(request_id)
-            self._count(flight, outcome)
-
-    def _forget(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)  # a no-op for a request the engine finished
-        self.in_flight.pop(request_id, None)
-        self._to_answer.pop(request_id, None)
-        self.beats.record_finished(request_id)
-        if self.refiner is not None:
-            self.refiner.book.forget(request_id)
-
-    def _count(self, flight: InFlight, outcome: str) -> None:
-        if outcome != "answered":
-            self.stats.num_dropped += 1
-            log.info("request_dropped", instance=self.instance_id, request_id=flight.request.id, reason=outcome)
-            return
-        status = flight.answer.status if flight.answer else "ok"
-        if status == "cancelled":
-            self.stats.num_cancelled += 1
-        elif status == "error":
-            self.stats.num_errors += 1
-        else:
-            self.stats.num_finished += 1
-            self.beats.record_answered(flight.prompt_tokens, flight.num_answered_tokens)
-            self.metrics.record_answered(flight)
-
     # --- cancellation and heartbeats ----------------------------------------------------
 
     async def _cancel_loop(self, stop: asyncio.Event) -> None:
         """Note cancel notices; the step loop applies them (one writer per request)."""
-        last_id = "$"
-        while not stop.is_set() and not self._stopping:
-            reply = await self.client.xread({self.keys.cancellations: last_id}, count=100, block=500)
-            if not reply:
-                continue
-            for entry_id, fields in reply[0][1]:
-                last_id = entry_id
-                request_id = fields.get(PAYLOAD_FIELD.encode(), b"").decode()
-                self._remember_cancel(request_id)
-                if request_id in self.in_flight:
-                    self._cancels_to_apply.add(request_id)
-                    self._work_arrived.set()
+        await run_riding_out_redis(self._read_cancels, lambda: not stop.is_set() and not self._stopping,
+                                   RedisOutage(self.instance_id, "cancel"), on_error=self._after_redis_error)
 
-    def _remember_cancel(self, request_id: str) -> None:
-        self._recent_cancels[request_id] = None
-        if len(self._recent_cancels) > MAX_RECENT_CANCELS:
-            del self._recent_cancels[next(iter(self._recent_cancels))]
+    async def _read_cancels(self) -> None:
+        for request_id in await self.cancels.read():
+            if request_id in self.in_flight:
+                self._cancels_to_apply.add(request_id)
+                self._work_arrived.set()
 
     async def _heartbeat_loop(self) -> None:
-        interval_s = self.settings.heartbeat_interval_ms / 1000
-        while not self._stopping:
-            try:
-                await self.publish_heartbeat(InstanceState.DRAINING if self.draining else InstanceState.LIVE)
-            except redis.ResponseError as exc:
-                # Redis refused the write (e.g. maxmemory reached) but is there: beat again
-                # next time. Lost connections still end the loop, and the worker with it.
-                log.warning("heartbeat_refused", instance=self.instance_id, error=str(exc)[:200])
-            await asyncio.sleep(interval_s)
+        await run_riding_out_redis(self._beat, lambda: not self._stopping, RedisOutage(self.instance_id, "heartbeat"),
+                                   on_error=self._after_redis_error)
+
+    async def _beat(self) -> None:
+        try:
+            await self.publish_heartbeat(InstanceState.DRAINING if self.draining else InstanceState.LIVE)
+        except redis.ResponseError as exc:
+            # Redis refused the write (e.g. maxmemory reached) but is there: beat again next time.
+            log.warning("heartbeat_refused", instance=self.instance_id, error=str(exc)[:200])
+        await asyncio.sleep(self.settings.heartbeat_interval_ms / 1000)
 
     async def publish_heartbeat(self, state: str) -> None:
         beat = self.beats.build(state, self.stats.lag_ms)

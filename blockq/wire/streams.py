@@ -8,6 +8,8 @@ its backlog (unread + pending), which admission control reads.
 Retries are bounded: an entry delivered more than ``max_deliveries`` times (its consumer
 kept dying on it, or kept failing without ACKing it) is dead-lettered instead of being
 handed out again. A dead-lettered request's client is told with an error final record.
+Dead letters are bounded in bytes (:mod:`blockq.wire.dead_letters`), and a group's idle,
+empty consumers are deleted (:mod:`blockq.wire.consumer_sweep`).
 """
 
 from __future__ import annotations
@@ -15,29 +17,38 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-import redis.asyncio.sentinel
-import redis.cluster
-import redis.sentinel
 import structlog
 
 from blockq.config import Settings
+from blockq.wire.connections import connect, connect_async, connect_pinned
+from blockq.wire.consumer_sweep import (
+    DEFAULT_IDLE_CONSUMER_MS,
+    SWEEP_INTERVAL_S,
+    delete_idle_consumers,
+)
+from blockq.wire.dead_letters import (
+    DEAD_LETTER_MAX_RAW_BYTES,
+    DEAD_LETTER_MAXLEN,
+    MAX_REASON_CHARS,
+    bound_reason,
+    dead_letter_fields,
+)
 from blockq.wire.keys import PAYLOAD_FIELD
 from blockq.wire.output import queue_final
 from blockq.wire.protocol import FinalRecord, ValidationError, encode, unpack_map
-from blockq.wire.redis_url import RedisTarget, parse_redis_url
+
+# Names this module has always offered (the connection and dead-letter modules are newer).
+__all__ = ["DEAD_LETTER_MAXLEN", "MAX_REASON_CHARS", "GroupConsumer", "StreamEntry", "bound_reason", "connect",
+           "connect_async", "connect_pinned", "dead_letter_fields", "default_consumer_name", "ensure_group",
+           "queue_redis_time", "redis_time_ms"]
 
 log = structlog.get_logger(__name__)
-
-DEAD_LETTER_MAXLEN = 1_000_000
-# Reasons often embed an exception message, which can embed the input: keep them short
-# enough for a log line, a dead-letter entry and a client's error field.
-MAX_REASON_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -49,122 +60,6 @@ class StreamEntry:
     payload: bytes | None
     fields: dict[bytes, bytes] = field(default_factory=dict, repr=False)
     num_deliveries: int = 1
-
-
-def connect(url: str, **kwargs: Any) -> redis.Redis:
-    """A synchronous client for ``url``, in any form of :mod:`blockq.wire.redis_url`: a plain
-    client for one server; for Sentinel, one that asks the Sentinels for the primary at
-    each (re)connect and drops its connections when the primary changes (``master_for``);
-    for a cluster, a ``RedisCluster`` (typed ``redis.Redis`` here: blockq uses the commands
-    both have). ``kwargs``: client options (``socket_timeout``, ``max_connections`` (per
-    node on a cluster), ...), over those of the URL. The one place clients are built."""
-    target = parse_redis_url(url)
-    if target.kind == "server":
-        return redis.Redis.from_url(url, **kwargs)
-    options = {**_node_options(target), **kwargs}
-    if target.kind == "sentinel":
-        sentinel = redis.sentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target, options))
-        return sentinel.master_for(target.service_name or "", **options)
-    return redis.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.nodes],
-                              **options)  # type: ignore[return-value]
-
-
-def connect_async(url: str, *, wait_for_connection: bool = False, **kwargs: Any) -> aioredis.Redis:
-    """The asyncio twin of :func:`connect`. ``wait_for_connection``: a call that finds
-    ``max_connections`` in use waits for one to be free instead of failing (one server
-    and Sentinel; a cluster client has no such pool, and fails past ``max_connections``
-    connections to one node)."""
-    target = parse_redis_url(url)
-    if target.kind == "server":
-        if wait_for_connection:
-            return aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(url, timeout=None,
-                                                                                           **kwargs))
-        return aioredis.Redis.from_url(url, **kwargs)
-    options = {**_node_options(target), **kwargs}
-    if target.kind == "sentinel":
-        sentinel = aioredis.sentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target, options))
-        pool_class = _BlockingSentinelPool if wait_for_connection else aioredis.sentinel.SentinelConnectionPool
-        extra = {"timeout": None} if wait_for_connection else {}
-        return sentinel.master_for(target.service_name or "", connection_pool_class=pool_class, **options, **extra)
-    return aioredis.RedisCluster(startup_nodes=[aioredis.cluster.ClusterNode(h, p) for h, p in target.nodes],
-                                 **options)  # type: ignore[return-value]
-
-
-def connect_pinned(url: str, key: str, **kwargs: Any) -> redis.Redis:
-    """A synchronous plain client (its own connection pool, real MULTI/EXEC) whose
-    connections go to the primary serving ``key``'s slot, for libraries that cannot use a
-    cluster client (rq: it reads its client's pool and runs transactions over its own
-    keys). Every key it touches must hash to that slot (share ``key``'s hash tag). Each new
-    connection asks the cluster where the slot is; a ``MOVED``, ``ASK``, ``TRYAGAIN`` or
-    ``CLUSTERDOWN`` reply (a failover or a resharding moved it) drops the connection as a
-    ConnectionError, so the library's reconnect finds the slot's new primary. One server
-    or Sentinel: :func:`connect` (its keys are all on the one primary anyway)."""
-    target = parse_redis_url(url)
-    if not target.is_cluster:
-        return connect(url, **kwargs)
-    options = {**_node_options(target), **kwargs}
-    locator = connect(url, **{k: v for k, v in options.items() if k != "max_connections"})
-    slot = locator.keyslot(key)  # type: ignore[attr-defined]
-
-    def locate_primary() -> tuple[str, int]:
-        locator.nodes_manager.initialize()  # type: ignore[attr-defined]  # the slot map as it is now
-        node = locator.nodes_manager.get_node_from_slot(slot)  # type: ignore[attr-defined]
-        return node.host, node.port
-
-    connection_class = _SlotPrimarySSLConnection if options.pop("ssl", False) else _SlotPrimaryConnection
-    pool = redis.ConnectionPool(connection_class=connection_class, locate_primary=locate_primary, **options)
-    return redis.Redis(connection_pool=pool)
-
-
-def _node_options(target: RedisTarget) -> dict[str, Any]:
-    """The data-node connection options of a Sentinel or cluster URL, parsed by redis-py
-    (types, TLS options) from the equivalent one-server URL; TLS as ``ssl=True``, which
-    the Sentinel and cluster clients turn into their own connection classes."""
-    options = dict(redis.connection.parse_url(target.node_url()))
-    for name in ("host", "port", "connection_class"):
-        options.pop(name, None)
-    if target.tls:
-        options["ssl"] = True
-    if target.is_cluster:
-        options.pop("db", None)
-    return options
-
-
-def _sentinel_options(target: RedisTarget, options: dict[str, Any]) -> dict[str, Any]:
-    """How to reach the Sentinels: the data nodes' socket and TLS options, and the
-    Sentinels' own credentials (none unless the URL's ``sentinel_*`` options give them)."""
-    shared = {k: v for k, v in options.items() if k.startswith(("socket_", "ssl"))}
-    own = {name.removeprefix("sentinel_"): value for name, value in target.sentinel_options}
-    return {**shared, **own}
-
-
-class _BlockingSentinelPool(aioredis.sentinel.SentinelConnectionPool, aioredis.BlockingConnectionPool):
-    """Sentinel's pool (connections to the current primary) with the blocking pool's
-    wait for a free connection past ``max_connections``."""
-
-
-class _SlotPrimaryConnection(redis.Connection):
-    """A connection to whichever primary serves one slot (see :func:`connect_pinned`)."""
-
-    def __init__(self, *, locate_primary: Callable[[], tuple[str, int]], **kwargs: Any) -> None:
-        self._locate_primary = locate_primary
-        super().__init__(**kwargs)
-
-    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
-        if not self._sock:
-            self.host, self.port = self._locate_primary()
-        super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().read_response(*args, **kwargs)
-        except (redis.exceptions.AskError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError) as exc:
-            self.disconnect()
-            raise redis.ConnectionError(f"the slot moved: {exc}") from exc
-
-
-class _SlotPrimarySSLConnection(_SlotPrimaryConnection, redis.SSLConnection):
-    """:class:`_SlotPrimaryConnection` over TLS."""
 
 
 # Redis' clock as the node holding KEYS[1] reads it. Beside a read of that key it dates
@@ -206,23 +101,6 @@ def _to_entries(raw_entries: list[Any]) -> list[StreamEntry]:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def dead_letter_fields(source_stream: str, entry_id: str, payload: bytes | None, reason: str) -> dict[str, Any]:
-    """The fields of a dead-letter entry: the reason (at most :data:`MAX_REASON_CHARS`),
-    where it came from, the raw bytes."""
-    return {
-        "reason": bound_reason(reason),
-        "source": source_stream,
-        "entry_id": entry_id,
-        "raw": payload if payload is not None else b"",
-        "at_s": f"{time.time():.6f}",
-    }
-
-
-def bound_reason(reason: str) -> str:
-    """``reason`` cut to :data:`MAX_REASON_CHARS` characters."""
-    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS - 3] + "..."
 
 
 def _claimed_entries(requested_ids: list[str], reply: list[Any]) -> list[StreamEntry]:
@@ -267,11 +145,21 @@ class GroupConsumer:
     without being processed" instead of being returned. ``settings`` (optional) gives
     ``max_deliveries`` and lets :meth:`dead_letter` tell the request's client; without it
     the limit is the default of ``Settings.max_deliveries`` and no client is told.
+
+    Dead letters keep at most ``dead_letter_max_raw_bytes`` of an entry's payload. At
+    most every ``sweep_interval_s``, a read first deletes the group's other consumers idle
+    for ``idle_consumer_ms`` with no pending entries (None: never;
+    :mod:`blockq.wire.consumer_sweep`). A read that finds the group gone (Redis came back
+    without it) creates it again and returns nothing.
     """
+
+    sweep_interval_s = SWEEP_INTERVAL_S
 
     def __init__(self, client: aioredis.Redis, stream: str, group: str, consumer: str, *,
                  dead_letter_stream: str, claim_idle_ms: int = 30_000, claim_stale: bool = True,
-                 settings: Settings | None = None, max_deliveries: int | None = None) -> None:
+                 settings: Settings | None = None, max_deliveries: int | None = None,
+                 dead_letter_max_raw_bytes: int = DEAD_LETTER_MAX_RAW_BYTES,
+                 idle_consumer_ms: int | None = DEFAULT_IDLE_CONSUMER_MS) -> None:
         self.client = client
         self.stream = stream
         self.group = group
@@ -285,27 +173,52 @@ class GroupConsumer:
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries: must be >= 1 (got {max_deliveries})")
         self.max_deliveries = max_deliveries
+        if dead_letter_max_raw_bytes < 0 or (idle_consumer_ms is not None and idle_consumer_ms < 1):
+            raise ValueError("dead_letter_max_raw_bytes: must be >= 0; idle_consumer_ms: >= 1 or None")
+        self.dead_letter_max_raw_bytes = dead_letter_max_raw_bytes
+        self.idle_consumer_ms = idle_consumer_ms
         # Where the pass over this consumer's own pending entries has got to; None once
         # done. Reading them from "0" on every call would hand out again what is running.
         self._own_pending_cursor: str | None = "0"
         self._next_claim_at_s = 0.0
+        self._next_sweep_at_s = 0.0
 
     async def ensure_group(self) -> None:
         """Create the group (at the stream's start) if it does not exist yet."""
         await ensure_group(self.client, self.stream, self.group)
 
+    def reread_own_pending(self) -> None:
+        """Make the next reads pass over this consumer's own pending entries again (after
+        a Redis outage: a read whose reply was lost left entries pending here unseen)."""
+        self._own_pending_cursor = "0"
+
     async def read(self, count: int, block_ms: int, *, held_ids: Collection[str] = ()) -> list[StreamEntry]:
         """Up to ``count`` entries: own pending first, then claimed stale ones, then new.
 
         ``held_ids``: entries the caller holds unacknowledged on purpose (work it keeps
-        for later); they are never claimed back, so holding them does not count as a
-        failed delivery. May return an empty list before ``block_ms`` when every entry of
-        a batch was dead-lettered."""
+        for later, or is running); they are never claimed back, and reading them again
+        from the own pending entries does not count as a failed delivery. May return an
+        empty list before ``block_ms`` when every entry of a batch was dead-lettered."""
+        try:
+            return await self._read(count, block_ms, held_ids)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Redis came back without the group (no persistence, or a failover to a
+            # replica that lacked it): what it held is gone; serve what comes next.
+            log.warning("consumer_group_recreated", stream=self.stream, group=self.group)
+            await self.ensure_group()
+            return []
+
+    async def _read(self, count: int, block_ms: int, held_ids: Collection[str]) -> list[StreamEntry]:
         if self._own_pending_cursor is not None:
-            own = await self._read_own_pending(self._own_pending_cursor, count)
+            own = await self._read_own_pending(self._own_pending_cursor, count, held_ids)
             if own is not None:
                 return own
         now_s = time.monotonic()
+        if self.idle_consumer_ms is not None and now_s >= self._next_sweep_at_s:
+            self._next_sweep_at_s = now_s + self.sweep_interval_s
+            await self._sweep_idle_consumers()
         if self.claims_stale_entries and now_s >= self._next_claim_at_s:
             self._next_claim_at_s = now_s + self.claim_idle_ms / 2000
             claimed = await self.claim_stale(count, held_ids=held_ids)
@@ -315,7 +228,22 @@ class GroupConsumer:
                                              count=count, block=block_ms)
         return _to_entries(reply[0][1]) if reply else []
 
-    async def _read_own_pending(self, cursor: str, count: int) -> list[StreamEntry] | None:
+    async def _sweep_idle_consumers(self) -> None:
+        """Delete the group's idle consumers without pending entries (housekeeping: a
+        Redis that refuses the script is logged, and reads go on)."""
+        try:
+            deleted = await delete_idle_consumers(self.client, self.stream, self.group,
+                                                  idle_ms=self.idle_consumer_ms or 0, keep=self.consumer)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                raise
+            log.warning("consumer_sweep_failed", stream=self.stream, group=self.group, error=str(exc)[:200])
+            return
+        if deleted:
+            log.info("idle_consumers_deleted", stream=self.stream, group=self.group, consumers=deleted)
+
+    async def _read_own_pending(self, cursor: str, count: int,
+                                held_ids: Collection[str] = ()) -> list[StreamEntry] | None:
         """This consumer's own pending entries after ``cursor``, each once; None when the
         pass is over."""
         reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: cursor}, count=count)
@@ -327,7 +255,9 @@ class GroupConsumer:
         pending = await self.client.xpending_range(self.stream, self.group, min=entries[0].entry_id,
                                                    max=entries[-1].entry_id, count=len(entries),
                                                    consumername=self.consumer)
-        counts = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        # A held entry read again is not a failed delivery (e.g. running through an outage).
+        counts = {_text(p["message_id"]): 1 if _text(p["message_id"]) in held_ids else int(p["times_delivered"])
+                  for p in pending}
         return await self._drop_over_delivered(entries, counts)
 
     async def claim_stale(self, count: int, *, held_ids: Collection[str] = ()) -> list[StreamEntry]:
@@ -379,8 +309,9 @@ class GroupConsumer:
         per request (:func:`blockq.wire.output.queue_final`), so a request that already has one
         keeps it."""
         reason = bound_reason(reason)
-        pipe.xadd(self.dead_letter_stream, dead_letter_fields(self.stream, entry.entry_id, entry.payload, reason),
-                  maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        fields = dead_letter_fields(self.stream, entry.entry_id, entry.payload, reason,
+                                    max_raw_bytes=self.dead_letter_max_raw_bytes)
+        pipe.xadd(self.dead_letter_stream, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         log.warning("dead_lettered", stream=self.stream, entry_id=entry.entry_id, reason=reason)
         self._queue_error_final(pipe, entry, reason)
         self.ack(pipe, [entry.entry_id])
