@@ -11,6 +11,12 @@ instance is ``dead`` until ``dead_after_s`` has passed since then (it is ``suspe
 meanwhile: no new requests, queue left alone). Otherwise an outage of Redis itself would
 make every instance look dead at once and hand every queue to the first one to beat again.
 
+A dispatcher that starts leading first learns the fleet from the registry of instances
+(:meth:`ClusterView.seed`: each instance's latest beat, whatever the capped beat stream
+still holds): those instances are ``suspect`` until a beat of theirs is heard, and dead
+``dead_after_s`` into the term if none is (so an instance that died before the term, beats
+trimmed away, still has its queue moved).
+
 A heartbeat is a snapshot from the past, so the view also remembers what the
 dispatcher itself assigned since: ``assigned_not_seen`` holds requests placed on an
 instance that its latest beat does not show yet; they are dropped once a beat shows them
@@ -52,6 +58,9 @@ class InstanceView:
     drain_reported: bool = False    # whether refresh_health reported it draining (once per drain)
     # What its prefix cache is believed to hold (instances whose beats say prefix caching is on).
     prefix_index: PrefixIndex | None = None
+    # False while it is known only from the registry of instances (ClusterView.seed): no
+    # beat of it was heard since, so its beat is no proof of life and any beat replaces it.
+    heard: bool = True
 
     @property
     def config(self) -> EngineConfig:
@@ -135,21 +144,34 @@ class ClusterView:
         0.9 x Llumnix's capacity from 80.4 to 78.0 ms (docs/decisions/placement.md).
 
         Raises:
-            ValueError: when replicas are kept and the beat's engine config or latency
-                model cannot be used; nothing is changed then.
+            ValueError: when the beat's engine config, or (replicas kept) its latency
+                model, cannot be used. Whatever it raises, nothing is changed then.
         """
         view = self.instances.get(beat.instance_id)
-        if self._needs_check(view, beat):
-            EngineConfig.from_dict(beat.engine_config)
-            self._latency_model(beat)
         heard_at_s = now_s if heard_at_s is None else min(heard_at_s, now_s)
+        if view is not None and view.heard and beat.seq <= view.heartbeat.seq \
+                and beat.sent_at_s <= view.heartbeat.sent_at_s:
+            return view
+        self._check(view, beat)
+        saved = _saved(view)
+        try:
+            return self._take(view, beat, now_s, heard_at_s)
+        except Exception:
+            # All or nothing: the instance stays as it was (a new one stays unknown), and
+            # its replica, which may be half rebuilt, is made again from its previous beat.
+            if saved is None:
+                self.instances.pop(beat.instance_id, None)
+            else:
+                self.instances[beat.instance_id] = saved
+            raise
+
+    def _take(self, view: InstanceView | None, beat: Heartbeat, now_s: float, heard_at_s: float) -> InstanceView:
         if view is None:
             view = InstanceView(beat.instance_id, beat, heard_at_s)
             self.instances[beat.instance_id] = view
-        elif beat.seq <= view.heartbeat.seq and beat.sent_at_s <= view.heartbeat.sent_at_s:
-            return view
         view.heartbeat = beat
         view.last_beat_at_s = heard_at_s
+        view.heard = True
         view.health = beat.state
         if view.prefix_index is None and _indexes_prefixes(beat):
             view.prefix_index = PrefixIndex(max(1, int(beat.engine_config.get("num_gpu_blocks") or 1)))
@@ -168,14 +190,31 @@ class ClusterView:
             self._rebuild(view, now_s)
         return view
 
-    def _needs_check(self, view: InstanceView | None, beat: Heartbeat) -> bool:
-        """Whether ``beat``'s engine config and latency model must be checked before it is
-        applied: a replica will be built from them and they are new (the same dicts as the
-        last beat's were checked then)."""
+    def seed(self, beat: Heartbeat) -> None:
+        """Know ``beat``'s instance from the registry of instances (its latest beat), before
+        a beat of it is heard: ``suspect`` (``stopped`` if it said so), never placed on,
+        silent since before the dispatcher could hear (:meth:`hear_again` decides when it
+        is dead); the first beat heard replaces this one, whatever its seq. An instance
+        already known is left as it is."""
+        if beat.instance_id in self.instances:
+            return
+        health = InstanceState.STOPPED if beat.state == InstanceState.STOPPED else InstanceState.SUSPECT
+        self.instances[beat.instance_id] = InstanceView(beat.instance_id, beat, float("-inf"), health=health,
+                                                        heard=False)
+
+    def _check(self, view: InstanceView | None, beat: Heartbeat) -> None:
+        """Refuse (ValueError) what is new in ``beat`` and unusable (the same dicts as the
+        last heard beat's were checked then): an engine config the engine model refuses,
+        whatever the policy (every policy computes with it: one with ``block_size`` 0 was
+        applied where no replica is kept, and each placement then divided by it), and,
+        where a replica will be built from it, a latency model that does not build."""
+        new_config = view is None or not view.heard or beat.engine_config != view.heartbeat.engine_config
+        if new_config:
+            EngineConfig.from_dict(beat.engine_config)
         if not self.keep_replicas and (view is None or view.replica is None):
-            return False
-        return (view is None or view.replica is None or beat.engine_config != view.heartbeat.engine_config
-                or beat.latency_model != view.heartbeat.latency_model)
+            return
+        if new_config or view is None or view.replica is None or beat.latency_model != view.heartbeat.latency_model:
+            self._latency_model(beat)
 
     def _create_replica(self, view: InstanceView, now_wall_s: float) -> None:
         # The packed replica has no block cache of its own: a new request's predicted hit
@@ -248,6 +287,16 @@ class ClusterView:
     def forget(self, instance_ids: Iterable[str]) -> None:
         for instance_id in instance_ids:
             self.instances.pop(instance_id, None)
+
+
+def _saved(view: InstanceView | None) -> InstanceView | None:
+    """What :meth:`ClusterView.apply_heartbeat` restores if applying a beat fails: the
+    view's fields, its own copies of what a beat changes in place, and no replica (the
+    next decision rebuilds it from the restored beat)."""
+    if view is None:
+        return None
+    return replace(view, assigned_not_seen=dict(view.assigned_not_seen),
+                   batch_request_ids=set(view.batch_request_ids), replica=None, replica_synced_at_s=float("-inf"))
 
 
 def _indexes_prefixes(beat: Heartbeat) -> bool:

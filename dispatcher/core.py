@@ -11,7 +11,7 @@ depends on that figure.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -54,13 +54,33 @@ class Rejected:
 
 Outcome = Placed | Held | Rejected | Infeasible
 
+# Why a beat was not applied, a label of the rejection counter (a fixed set: never the
+# instance id, which a fleet has without bound).
+BEAT_UNDECODABLE = "undecodable"  # its bytes did not decode (blockq.wire.beats refused it)
+BEAT_UNUSABLE = "unusable"        # decoded, but the view refused it (ValueError, KeyError, TypeError)
+BEAT_FAILED = "error"             # decoded, and applying it raised anything else
+BEAT_REJECTION_REASONS = (BEAT_UNDECODABLE, BEAT_UNUSABLE, BEAT_FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class BeatRejection:
+    """A beat that changed nothing: ``reason`` (one of :data:`BEAT_REJECTION_REASONS`) and
+    the exception that said why."""
+
+    reason: str
+    error: Exception
+
+    @property
+    def detail(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
 
 @dataclass
 class CoreStats:
     """Counts since start; ``decision_ms`` holds the latest decision times (timer's clock)."""
 
     num_beats_applied: int = 0
-    num_beats_rejected: int = 0
+    beats_rejected: Counter[str] = field(default_factory=Counter)  # by reason (BEAT_REJECTION_REASONS)
     num_replica_rebuilds: int = 0   # replicas built or rebuilt from a beat
     num_placed: int = 0
     num_held: int = 0
@@ -71,6 +91,10 @@ class CoreStats:
     num_placed_prompt_tokens: int = 0
     num_predicted_cached_tokens: int = 0
     decision_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+
+    @property
+    def num_beats_rejected(self) -> int:
+        return sum(self.beats_rejected.values())
 
 
 class DispatcherCore:
@@ -110,22 +134,36 @@ class DispatcherCore:
 
     # --- heartbeats and health ----------------------------------------------------------
 
-    def apply_heartbeat(self, beat: Heartbeat, now_s: float, heard_at_s: float | None = None) -> str | None:
+    def apply_heartbeat(self, beat: Heartbeat, now_s: float, heard_at_s: float | None = None) -> BeatRejection | None:
         """Apply one beat received at ``now_s`` (that reached the bus at ``heard_at_s``,
         default ``now_s``: see :meth:`ClusterView.apply_heartbeat`); returns None, or why
-        the beat was rejected (counted; the beat changes nothing and the core carries on)."""
+        the beat was rejected. This is the per-beat boundary: whatever applying it raises
+        (a value decoding let through that breaks the replica, a bug), the view keeps the
+        instance as it was, the rejection is counted by reason, and the core carries on."""
         known = self.view.instances.get(beat.instance_id)
         synced_at_s = known.replica_synced_at_s if known is not None else None
         try:
             view = self.view.apply_heartbeat(beat, now_s, heard_at_s)
         except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
-            self.stats.num_beats_rejected += 1
-            return f"{type(exc).__name__}: {exc}"
+            return self.reject_beat(BEAT_UNUSABLE, exc)
+        except Exception as exc:  # e.g. OverflowError, MemoryError from sizes no engine has
+            return self.reject_beat(BEAT_FAILED, exc)
         self.stats.num_beats_applied += 1
         if view.replica_synced_at_s != synced_at_s and view.replica is not None:
             self.stats.num_replica_rebuilds += 1  # the view stamps each rebuild with its time
         self.answered_sizes.extend(beat.finished_sizes)
         return None
+
+    def reject_beat(self, reason: str, error: Exception) -> BeatRejection:
+        """Count a beat rejected for ``reason`` (also one the caller could not decode)."""
+        self.stats.beats_rejected[reason] += 1
+        return BeatRejection(reason, error)
+
+    def seed_instance(self, beat: Heartbeat) -> None:
+        """Know an instance from its latest beat in the registry, before any beat of this
+        term is read (:meth:`ClusterView.seed`): not placed on until heard, dead
+        ``dead_after_s`` into the term if never heard (its queue then moves)."""
+        self.view.seed(beat)
 
     def hear_again(self, now_s: float) -> None:
         """Silence before ``now_s`` makes no instance dead (:meth:`ClusterView.hear_again`)."""
@@ -164,33 +202,39 @@ class DispatcherCore:
 
     # --- placement ----------------------------------------------------------------------
 
-    def place(self, requests: Sequence[Request], now_s: float) -> list[Outcome]:
+    def place(self, requests: Sequence[Request], now_s: float, *, bus_now_s: float | None = None) -> list[Outcome]:
         """Place ``requests`` in order, each decision seeing the ones before it; one
-        outcome per request, in the order given."""
+        outcome per request, in the order given. ``bus_now_s``: the caller's estimate of
+        Redis' now, what the time a request waited since its admission is measured
+        against (:func:`dispatcher.admission.time_waited_s`; None: from ``submitted_at_s``
+        on ``now_s``'s clock, as in the simulation)."""
         live = self.view.live_instances()
-        return [self._place_one(request, live, now_s) for request in requests]
+        return [self._place_one(request, live, now_s, bus_now_s) for request in requests]
 
-    def replace_unstarted(self, instance_id: str, requests: Sequence[Request], now_s: float) -> list[Outcome]:
+    def replace_unstarted(self, instance_id: str, requests: Sequence[Request], now_s: float, *,
+                          bus_now_s: float | None = None) -> list[Outcome]:
         """Place again the requests an instance received but never started (it died or is
         draining), on the other live instances; the instance forgets what it was given.
-        They were accepted once: they are placed however late (never :class:`Infeasible`)."""
+        They were accepted once: they are placed however late (never :class:`Infeasible`).
+        May be called for one chunk of its queue at a time."""
         live = [view for view in self.view.live_instances() if view.instance_id != instance_id]
-        outcomes = [self._place_one(request, live, now_s, admit=False) for request in requests]
+        outcomes = [self._place_one(request, live, now_s, bus_now_s, admit=False) for request in requests]
         left = self.view.instances.get(instance_id)
         if left is not None:
             left.assigned_not_seen.clear()
         return outcomes
 
-    def _place_one(self, request: Request, live: list[InstanceView], now_s: float, *, admit: bool = True) -> Outcome:
+    def _place_one(self, request: Request, live: list[InstanceView], now_s: float, bus_now_s: float | None, *,
+                   admit: bool = True) -> Outcome:
         candidates = eligible_candidates(request, live) if live else []
         if not candidates:  # batch work waits for idle capacity; so does everything with no instance
             self.stats.num_held += 1
             return Held(request)
         started = self.timer() if self.timer is not None else 0.0
         try:
-            decision = self.policy.choose(request, candidates, now_s)
+            decision = self.policy.choose(request, candidates, now_s, bus_now_s)
             decision_ms = (self.timer() - started) * 1000 if self.timer is not None else 0.0
-            infeasible = judge(request, decision, now_s, self.slo_ttft_ms) if admit else None
+            infeasible = judge(request, decision, now_s, self.slo_ttft_ms, bus_now_s) if admit else None
             if infeasible is not None:
                 self.stats.num_infeasible += 1
                 return infeasible

@@ -18,8 +18,11 @@ Metrics (``policy`` is the placement policy's name):
   minus forecast, model-time seconds (negative: faster than forecast), from the ``done``
   records of requests answered ``ok`` that carry a forecast;
 - ``blockq_dispatcher_replica_rebuilds_total`` (counter): replicas rebuilt from a beat;
-- ``blockq_dispatcher_beats_rejected_total`` (counter): beats that could not be decoded
-  or applied;
+- ``blockq_dispatcher_beats_rejected_total{reason}`` (counter): beats that changed
+  nothing, by why: ``undecodable`` (refused at decoding), ``unusable`` (the view refused
+  its engine config or contents), ``error`` (applying it raised anything else: logged
+  with its traceback and instance id; the leader carries on). Not by instance: a fleet's
+  ids are unbounded, the log names them;
 - ``blockq_dispatcher_dead_letters`` (gauge): entries in the dead-letter stream (which is
   capped, so the figure stops growing at the cap), as the leader last read it.
 
@@ -49,7 +52,7 @@ from prometheus_client.registry import Collector
 
 from blockq.wire.keys import PAYLOAD_FIELD, Keys
 from blockq.wire.protocol import DoneRecord, ValidationError, unpack_map
-from dispatcher.core import Placed
+from dispatcher.core import BEAT_REJECTION_REASONS, Placed
 
 if TYPE_CHECKING:
     from dispatcher.core import DispatcherCore, Outcome
@@ -85,8 +88,11 @@ class _CoreCollector(Collector):
         yield decisions
         yield CounterMetricFamily("blockq_dispatcher_replica_rebuilds", "Instance replicas rebuilt from a beat.",
                                   value=stats.num_replica_rebuilds)
-        yield CounterMetricFamily("blockq_dispatcher_beats_rejected", "Heartbeats that could not be decoded or "
-                                  "applied.", value=stats.num_beats_rejected)
+        rejected = CounterMetricFamily("blockq_dispatcher_beats_rejected", "Heartbeats that changed nothing, by "
+                                       "reason (undecodable, unusable, error).", labels=["reason"])
+        for reason in BEAT_REJECTION_REASONS:
+            rejected.add_metric([reason], stats.beats_rejected[reason])
+        yield rejected
         yield GaugeMetricFamily("blockq_dispatcher_held_requests", "Requests held in memory, pending in ready "
                                 "(no instance may take them yet).", value=self.num_held())
         yield GaugeMetricFamily("blockq_dispatcher_leader", "1 while this dispatcher holds the leader lease.",

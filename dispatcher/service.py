@@ -26,6 +26,11 @@ Crashes and pauses:
   instance is declared dead until ``dead_after_s`` after beats could be read again
   (:meth:`ClusterView.hear_again`), and each beat is dated by when it reached Redis (its
   entry id, against Redis' own clock), so a replayed beat 30 s old is not fresh.
+* **A new term knows the fleet** from the registry of instances, and reads only the
+  latest beats, not the whole capped history, which took longer than the lease
+  (:mod:`dispatcher.beat_reads`).
+* **Long queues move in chunks** between which the lease is renewed
+  (:mod:`dispatcher.replacement`).
 * **Stable consumer name.** ``dispatcher_id`` is the consumer name in ``dispatch``: a
   restarted dispatcher under the same name reads its predecessor's pending entries first.
 
@@ -49,19 +54,19 @@ import structlog
 from blockq.config import AutoscaleOptions, Settings
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
-from blockq.wire.beats import decode_heartbeat
-from blockq.wire.health import HealthPolicy, InstanceState
-from blockq.wire.keys import GROUP_DISPATCH, GROUP_WORK, PAYLOAD_FIELD
-from blockq.wire.output import queue_final, set_owner
-from blockq.wire.protocol import Placement, Request, ValidationError, decode_request, encode
-from blockq.wire.streams import GroupConsumer, StreamEntry, queue_redis_time, redis_time_ms
+from blockq.wire.health import HealthPolicy
+from blockq.wire.keys import GROUP_DISPATCH, PAYLOAD_FIELD
+from blockq.wire.output import queue_final
+from blockq.wire.protocol import Request, ValidationError, decode_request, encode
+from blockq.wire.streams import GroupConsumer, StreamEntry
 from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.autoscale.service import AutoscalingService, create_autoscaling
+from dispatcher.beat_reads import BeatFollower
 from dispatcher.cluster_view import ClusterView
 from dispatcher.core import DispatcherCore, Held, Placed
 from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
 from dispatcher.metrics import DispatcherMetrics, DoneFollower
-from dispatcher.queue_reads import read_queue
+from dispatcher.replacement import DEFAULT_CHUNK_ENTRIES, QueueReplacer, queue_placement
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 
 log = structlog.get_logger(__name__)
@@ -75,6 +80,7 @@ class DispatcherOptions:
     lease_ms: int = 3000
     dead_after_s: float = 5.0
     max_unplaced: int = 10_000
+    replace_chunk_entries: int = DEFAULT_CHUNK_ENTRIES  # queue entries re-placed per step at most
 
 
 class Dispatcher:
@@ -98,21 +104,22 @@ class Dispatcher:
         self.consumer = self._new_consumer()
         self.lease = Lease(client, self.keys.dispatcher_lease, dispatcher_id, self.options.lease_ms,
                            token_factory=token_factory)
-        # Beats may have gone unread (new term, failed reads): the next read starts a grace.
-        self._beats_unheard = False
-        self._beats_read_at_s = float("-inf")
+        # The beat stream and the registry; it reads this dispatcher's clock as it is now.
+        self.beats = BeatFollower(self.keys, core, lambda: self.clock())
         self.unplaced: deque[tuple[StreamEntry, Request]] = deque()
         # Entry ids held in `unplaced`: a slow batch can outlive claim_idle_ms, and the
         # entries XAUTOCLAIM hands back then are ones this dispatcher already holds.
         self._unplaced_ids: set[str] = set()
-        self._last_beat_id = "0-0"
-        self._queues_to_redispatch: set[str] = set()
         self._last_num_placed = 0
         self.num_placed = 0
         self.autoscaling: AutoscalingService | None = None  # set by create_dispatcher with autoscale
         self.metrics = DispatcherMetrics(core, num_held=lambda: len(self.unplaced),
                                          is_leading=lambda: self.lease.token is not None)
         self.done_follower = DoneFollower(client, self.keys, self.metrics)
+        # A step's share of re-placement: a sixth of the lease, renewed every third of it.
+        self.replacer = QueueReplacer(client, settings, core, self.lease, record=self.metrics.record_placed,
+                                      time_budget_s=self.options.lease_ms / 6000,
+                                      chunk_entries=self.options.replace_chunk_entries)
 
     def _new_consumer(self) -> GroupConsumer:
         # A new consumer reads this name's pending entries first: what a predecessor (or
@@ -151,8 +158,8 @@ class Dispatcher:
 
     def _begin_term(self) -> None:
         """A new term starts from what Redis holds, not from what this dispatcher knew when
-        it last led: a fresh view rebuilt from the whole beat history (dated by age, with
-        a grace), and this name's pending entries read first."""
+        it last led: a fresh view seeded from the registry of instances and the latest
+        beats (dated by age, with a grace), and this name's pending entries read first."""
         self._reset_after_interruption()
         self.done_follower.start_term()
         log.info("dispatcher_leader", dispatcher_id=self.dispatcher_id, lease=self.lease.token)
@@ -163,10 +170,9 @@ class Dispatcher:
         happened); the next reads rebuild both, and the beats read next start a grace."""
         self.unplaced.clear()
         self._unplaced_ids.clear()
-        self._queues_to_redispatch.clear()
+        self.replacer.clear()
         self.view.forget(list(self.view.instances))
-        self._last_beat_id = "0-0"
-        self._beats_unheard = True
+        self.beats.restart()
         self.consumer = self._new_consumer()
 
     def _step_down(self, reason: str) -> None:
@@ -211,25 +217,21 @@ class Dispatcher:
                 await asyncio.sleep(self.options.lease_ms / 3000)
 
     async def step(self) -> int:
-        """One round: follow beats, re-place the queues of dead or stopped instances (the
-        unread part of draining ones'), place a batch, size the fleet when due (autoscale).
-        Returns the number of requests placed. Raises :class:`LeaseLost` when a write
-        found the term over (nothing of it was written)."""
+        """One round: follow beats, re-place a chunk of the queues of dead or stopped
+        instances (the unread part of draining ones'), place a batch, size the fleet when
+        due (autoscale). Returns the number of requests placed. Raises :class:`LeaseLost`
+        when a write found the term over (nothing of it was written)."""
         await self.follow_heartbeats()
-        self._queues_to_redispatch.update(self.core.refresh_health(self.clock()))
-        for instance_id in sorted(self._queues_to_redispatch):
-            view = self.view.instances.get(instance_id)
-            health = view.health if view is not None else None
-            # Draining: only what its worker has not read moves; what it took finishes there.
-            if (health not in (InstanceState.DEAD, InstanceState.STOPPED, InstanceState.DRAINING)
-                    or await self.redispatch_queue(instance_id, unread_only=health == InstanceState.DRAINING) is not None):
-                self._queues_to_redispatch.discard(instance_id)
+        now_s = self.clock()
+        self.replacer.add(self.core.refresh_health(now_s))
+        await self.replacer.step(now_s, self.beats.bus_now_s(now_s))
         entries: list[StreamEntry] = []
         if len(self.unplaced) < self.options.max_unplaced:
-            # Requests in hand that could be placed: poll briefly. Only held (batch) work,
-            # or none: block, so that held work does not spin the loop.
-            block_ms = 1 if self.unplaced and self._last_num_placed else self.options.block_ms
-            entries = await self.consumer.read(self.options.batch_size, block_ms, held_ids=self._unplaced_ids)
+            # Requests in hand that could be placed, or queues being moved: poll briefly.
+            # Only held (batch) work, or none: block, so that held work does not spin the loop.
+            busy = (self.unplaced and self._last_num_placed) or self.replacer.pending
+            entries = await self.consumer.read(self.options.batch_size, 1 if busy else self.options.block_ms,
+                                               held_ids=self._unplaced_ids)
         elif not self.view.live_instances():
             await asyncio.sleep(self.options.block_ms / 1000)
         num_placed = await self.place_batch(entries)
@@ -239,47 +241,11 @@ class Dispatcher:
         return num_placed
 
     async def follow_heartbeats(self) -> None:
-        """Apply every heartbeat published since the last call (non-blocking).
-
-        Each beat is dated by when it reached Redis: its entry id (Redis' clock, in ms)
-        against Redis' TIME, read in the same round trip, so neither the workers' clocks
-        nor this host's enter the age. A read that succeeds after beats may have gone
-        unheard starts a grace (:meth:`DispatcherCore.hear_again`): after a failed read,
-        at the start of a term, or when more than half of ``dead_after_s`` passed since
-        the previous read (Redis stalled, e.g. clients paused for a failover, or this
-        process was). A beat that cannot be decoded or applied is logged, counted, skipped."""
-        try:
-            while True:
-                pipe = self.client.pipeline(transaction=False)
-                queue_redis_time(pipe, self.keys.heartbeats)  # the clock that stamped the beats
-                pipe.xread({self.keys.heartbeats: self._last_beat_id}, count=1000)
-                redis_time, reply = await pipe.execute()
-                now_s = self.clock()
-                if self._beats_unheard or now_s - self._beats_read_at_s > self.view.health_policy.dead_after_s / 2:
-                    self._beats_unheard = False
-                    self.core.hear_again(now_s)
-                self._beats_read_at_s = now_s
-                entries = reply[0][1] if reply else []
-                for entry_id, fields in entries:
-                    self._apply_beat_entry(entry_id.decode(), fields, now_s, redis_time_ms(redis_time))
-                if len(entries) < 1000:
-                    return
-        except REDIS_UNAVAILABLE:
-            self._beats_unheard = True
-            raise
-
-    def _apply_beat_entry(self, entry_id: str, fields: dict[bytes, bytes], now_s: float, redis_now_ms: int) -> None:
-        self._last_beat_id = entry_id
-        age_s = max(0, redis_now_ms - int(entry_id.split("-", 1)[0])) / 1000
-        try:
-            problem = self.core.apply_heartbeat(decode_heartbeat(fields[PAYLOAD_FIELD.encode()]), now_s,
-                                                heard_at_s=now_s - age_s)
-        except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
-            problem = f"{type(exc).__name__}: {exc}"
-            self.core.stats.num_beats_rejected += 1
-        if problem is not None:
-            log.warning("heartbeat_rejected", entry_id=entry_id, error=problem,
-                        num_rejected=self.core.stats.num_beats_rejected)
+        """Apply every heartbeat published since the last call (non-blocking), dated by
+        Redis' clock; at the start of a term, seed the view from the registry first
+        (:class:`dispatcher.beat_reads.BeatFollower`). A beat that cannot be decoded or
+        applied is logged, counted, skipped."""
+        await self.beats.follow(self.client)
 
     async def place_batch(self, entries: list[StreamEntry]) -> int:
         """Place retried and new requests in order; all writes in one fenced transaction
@@ -303,7 +269,7 @@ class Dispatcher:
         now_s = self.clock()
         if self.autoscaling is not None:  # the arrivals it forecasts from: new requests only
             self.autoscaling.observe([request for _, request in queued[num_offered_again:]], now_s)
-        outcomes = self.core.place([r for _, r in queued], now_s)
+        outcomes = self.core.place([r for _, r in queued], now_s, bus_now_s=self.beats.bus_now_s(now_s))
         self.metrics.record_placed(outcomes)
         for (entry, _), outcome in zip(queued, outcomes, strict=True):
             if isinstance(outcome, Held):
@@ -335,60 +301,8 @@ class Dispatcher:
             self.consumer.ack(pipe, [entry.entry_id])
             log.info("request_infeasible", request_id=request.id, reason=outcome.reason)
         for entry, request in placed:
-            self._queue_placement(pipe, request)
+            queue_placement(pipe, self.keys, request, self.settings.reply_ttl_s)
             self.consumer.ack(pipe, [entry.entry_id])
-
-    def _queue_placement(self, pipe: Pipeline, request: Request) -> None:
-        """Hand ``request``'s output to its instance and queue it there, on ``pipe``."""
-        instance_id = request.assignment.instance_id  # type: ignore[union-attr]
-        set_owner(pipe, self.keys, request.id, instance_id, self.settings.reply_ttl_s)
-        pipe.xadd(self.keys.instance_queue(instance_id), {PAYLOAD_FIELD: encode(request)})
-        # The client learns where its request went, and the forecast, before its first token.
-        pipe.xadd(request.reply_stream, {PAYLOAD_FIELD: encode(Placement.of(request))})
-        pipe.expire(request.reply_stream, self.settings.reply_ttl_s)
-
-    async def redispatch_queue(self, instance_id: str, *, unread_only: bool = False) -> int | None:
-        """Move every entry left in a dead or stopped instance's queue, unread or taken
-        (pending), to live instances, moving each request's owner in the same transaction:
-        an executor of the old instance that still runs is refused its writes, so moving
-        what it had taken cannot answer a request twice. Held requests (batch work, no
-        idle capacity) go back to ``ready``; rejected ones stay. The moved entries are
-        also ACKed in the old queue's ``work`` group, so a worker that comes back under
-        that id does not resume them. ``unread_only`` (a draining instance): only what its
-        worker has not read (:func:`read_queue`). Returns how many were placed, or None
-        when no instance is live (the caller retries later)."""
-        queue = self.keys.instance_queue(instance_id)
-        if not self.view.live_instances():
-            return None
-        entries = await read_queue(self.client, queue, unread_only=unread_only)
-        decoded: list[tuple[bytes, Request]] = []
-        for entry_id, fields in entries:
-            try:
-                decoded.append((entry_id, decode_request(fields.get(PAYLOAD_FIELD.encode()), self.settings.limits,
-                                                          keys=self.keys)))
-            except ValidationError:
-                continue  # the worker dead-letters it if it ever comes back
-        outcomes = self.core.replace_unstarted(instance_id, [r for _, r in decoded], self.clock())
-        self.metrics.record_placed(outcomes)
-        moved = [(entry_id, o.request) for (entry_id, _), o in zip(decoded, outcomes, strict=True)
-                 if isinstance(o, Placed)]
-        returned = [(entry_id, o.request) for (entry_id, _), o in zip(decoded, outcomes, strict=True)
-                    if isinstance(o, Held)]
-        if moved or returned:
-            await self.lease.write_fenced(lambda pipe: self._queue_moves(pipe, queue, moved, returned))
-        log.warning("instance_queue_replaced", instance=instance_id, unread_only=unread_only,
-                    moved=len(moved), returned_to_ready=len(returned))
-        return len(moved)
-
-    def _queue_moves(self, pipe: Pipeline, queue: str, moved: list[tuple[bytes, Request]],
-                     returned: list[tuple[bytes, Request]]) -> None:
-        for _, request in moved:
-            self._queue_placement(pipe, request)
-        for _, request in returned:
-            pipe.xadd(self.keys.ready, {PAYLOAD_FIELD: encode(request)})
-        entry_ids = [entry_id for entry_id, _ in [*moved, *returned]]
-        pipe.xack(queue, GROUP_WORK, *entry_ids)
-        pipe.xdel(queue, *entry_ids)
 
 
 def prepare_for_decisions(core: DispatcherCore, *, autoscales: bool = False) -> None:

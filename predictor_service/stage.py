@@ -2,7 +2,8 @@
 output-length distribution → ``ready``.
 
 Reads in batches through the ``predict`` consumer group so that N replicas share the
-work; one model call per batch. Each entry is ACKed in the same pipeline that writes
+work; one model call per batch. Each request is stamped with its admission time, its
+entry id in ``req`` (:func:`admitted`). Each entry is ACKed in the same pipeline that writes
 its annotated copy to ``ready``; an entry that cannot be decoded, validated (its reply
 stream must be its own, ``keys.reply(id)``) or predicted, whatever the exception, is
 dead-lettered with the reason, its client gets an error final record, and the stage
@@ -94,7 +95,8 @@ class PredictorStage:
             try:
                 if entry.payload is None:
                     raise ValidationError("message", f"entry has no '{PAYLOAD_FIELD}' field")
-                decoded.append((entry, decode_request(entry.payload, self.settings.limits, keys=self.settings.keys)))
+                request = decode_request(entry.payload, self.settings.limits, keys=self.settings.keys)
+                decoded.append((entry, admitted(request, entry.entry_id)))
             except Exception as exc:  # ValidationError names the field; anything else is a decoder fault
                 reason = str(exc) if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}"
                 self.consumer.dead_letter(pipe, entry, reason)
@@ -136,6 +138,13 @@ class PredictorStage:
         if self.on_annotated is not None and not isinstance(result, str):
             self.on_annotated(request.id, inputs[0])
         return result
+
+
+def admitted(request: Request, entry_id: str) -> Request:
+    """``request`` stamped with when Redis admitted it: the ms part of its ``req`` entry id
+    (Redis' clock; a value the client sent is replaced). The dispatcher judges SLOs by the
+    time waited since (:mod:`dispatcher.admission`), so no client's clock enters."""
+    return request.with_admission(int(entry_id.split("-", 1)[0]))
 
 
 def prediction_inputs(requests: Sequence[Request], token_counter: TokenCounter) -> list[PredictionInput]:

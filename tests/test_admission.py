@@ -21,7 +21,7 @@ from blockq.wire.protocol import (
     decode_reply_entry,
     encode,
 )
-from dispatcher.admission import judge, ttft_slo_ms
+from dispatcher.admission import infeasible_final, judge, ttft_slo_ms
 from dispatcher.policies.base import Decision
 from loadgen.report import meets_slo
 from loadgen.simulation.config import SimulationConfig
@@ -52,6 +52,35 @@ def test_judge_adds_the_wait_to_the_forecast_and_honours_best_effort_and_deadlin
     # A policy without forecasts is judged on the wait alone.
     assert judge(make_request(submitted_at_s=now_s - 3.5), Decision("a"), now_s, 3000.0) is not None
     assert judge(make_request(submitted_at_s=now_s - 2.5), Decision("a"), now_s, 3000.0) is None
+
+
+def test_the_wait_is_measured_by_redis_clock_whatever_the_client_clock() -> None:
+    """The predictor stamps each request with its entry id in `req` (Redis' clock); the
+    dispatcher measures the wait against its estimate of Redis' now: a client 3 s behind
+    is not refused at once, a client 3 s ahead does not skip the check."""
+    bus_now_s, dispatcher_now_s = 5000.0, 1000.0  # the two clocks need not agree either
+    fits = Decision("a", predicted_ttft_ms=900.0, predicted_e2e_ms=5000.0)
+
+    def admitted(waited_s: float, client_skew_s: float, **fields: object) -> Request:
+        return make_request(submitted_at_s=bus_now_s - waited_s + client_skew_s, **fields).with_admission(
+            int((bus_now_s - waited_s) * 1000))
+
+    for skew_s in (-3.0, 0.0, 3.0):
+        fresh, late = admitted(0.1, skew_s), admitted(2.5, skew_s)
+        assert judge(fresh, fits, dispatcher_now_s, 3000.0, bus_now_s) is None
+        verdict = judge(late, fits, dispatcher_now_s, 3000.0, bus_now_s)
+        assert verdict is not None and verdict.waited_ms == pytest.approx(2500.0)
+        assert infeasible_final(verdict, dispatcher_now_s).e2e_ms == pytest.approx(2500.0)
+        # A deadline counts from the submission on the client's own clock: its skew cancels.
+        deadline = admitted(1.0, skew_s, deadline_s=bus_now_s - 1.0 + skew_s + 6.5)
+        assert judge(deadline, fits, dispatcher_now_s, None, bus_now_s) is None  # 1 + 5 s of 6.5
+        assert judge(deadline, Decision("a", 100.0, 6000.0), dispatcher_now_s, None, bus_now_s) is not None
+    # Without an estimate of Redis' now, or for a message from before the stamp: submitted_at_s.
+    assert judge(admitted(0.1, -3.5), fits, bus_now_s, 3000.0) is not None
+    assert judge(make_request(submitted_at_s=bus_now_s - 3.5), fits, dispatcher_now_s, 3000.0, bus_now_s) is None
+    stamped = admitted(0.1, 0.0)
+    assert Request.from_map(stamped.to_map()).admitted_at_ms == stamped.admitted_at_ms
+    assert Request.from_map(make_request().to_map()).admitted_at_ms is None
 
 
 def test_slo_fields_are_validated_by_name() -> None:

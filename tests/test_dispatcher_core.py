@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from blockq.wire.health import HealthPolicy
 from blockq.wire.protocol import Prediction
 from dispatcher.core import DispatcherCore, Held, Placed, Rejected
 from tests.factories import make_heartbeat, make_request
@@ -16,8 +17,8 @@ def test_a_beat_the_core_cannot_use_is_rejected_counted_and_changes_nothing() ->
     core = DispatcherCore("block", seed=0)
     assert core.apply_heartbeat(make_heartbeat("a", sent_at_s=0.0), 0.0) is None
     bad = dataclasses.replace(make_heartbeat("b", sent_at_s=0.0), engine_config={"num_gpu_blocks": 0})
-    reason = core.apply_heartbeat(bad, 0.1)
-    assert reason is not None and "num_gpu_blocks" in reason
+    rejection = core.apply_heartbeat(bad, 0.1)
+    assert rejection is not None and rejection.reason == "unusable" and "num_gpu_blocks" in rejection.detail
     bad_latency = dataclasses.replace(make_heartbeat("c", sent_at_s=0.0), latency_model={"linear_scale": "x"})
     assert core.apply_heartbeat(bad_latency, 0.1) is not None
     assert core.stats.num_beats_rejected == 2 and core.stats.num_beats_applied == 1
@@ -88,6 +89,27 @@ def test_held_without_instances_and_unstarted_requests_move_elsewhere() -> None:
     assert len(core.view.instances["b"].assigned_not_seen) == 4
 
 
+
+
+def test_instances_seeded_from_the_registry_are_suspect_until_heard_and_dead_if_never() -> None:
+    core = DispatcherCore("block", seed=0, health_policy=HealthPolicy(dead_after_s=1.0))
+    core.hear_again(10.0)  # a new term
+    for beat in (make_heartbeat("a", seq=7, sent_at_s=9.0), make_heartbeat("gone", seq=3, sent_at_s=1.0),
+                 make_heartbeat("left", seq=9, state="stopped", sent_at_s=2.0)):
+        core.seed_instance(beat)
+    assert {i: v.health for i, v in core.view.instances.items()} == {"a": "suspect", "gone": "suspect",
+                                                                      "left": "stopped"}
+    assert core.refresh_health(10.1) == ["left"]  # its queue moves at once
+    assert isinstance(core.place([make_request(predicted=20)], 10.1)[0], Held)  # nothing heard yet
+    # The beat heard replaces the registry's, even with the same seq, and is dated as heard.
+    assert core.apply_heartbeat(make_heartbeat("a", seq=7, sent_at_s=9.0), 10.2) is None
+    (outcome,) = core.place([make_request(predicted=20)], 10.2)
+    assert isinstance(outcome, Placed) and outcome.request.assignment.instance_id == "a"
+    core.seed_instance(make_heartbeat("a", seq=1, sent_at_s=0.0))  # a known instance stays as it is
+    assert core.view.instances["a"].heartbeat.seq == 7
+    assert core.refresh_health(10.9) == [] and core.view.instances["gone"].health == "suspect"
+    core.apply_heartbeat(make_heartbeat("a", seq=8, sent_at_s=11.0), 11.05)
+    assert core.refresh_health(11.1) == ["gone"]  # dead_after_s into the term, never heard
 
 
 def test_the_fleet_snapshot_carries_the_sizes_of_answered_requests_from_applied_beats() -> None:

@@ -201,10 +201,12 @@ async def test_no_instance_dies_for_silence_during_an_outage(settings: Settings,
 
 
 async def test_new_leader_dates_replayed_beats_by_age(settings: Settings, sync_redis: redis.Redis) -> None:
-    # An instance whose last beat is 30 s old (by the Redis clock) and one beating now.
+    # An instance whose last beat is 30 s old (by the Redis clock), as its worker left it
+    # in the stream and the registry of instances, and one beating now.
     old = make_heartbeat("old", seq=1)
     sync_redis.xadd(settings.keys.heartbeats, {PAYLOAD_FIELD: encode(old)},
                     id=f"{int(time.time() * 1000) - 30_000}-0")
+    sync_redis.hset(settings.keys.instances, "old", encode(old))
     beat(sync_redis, settings, "fresh")
     dispatcher = await make_dispatcher(settings, dead_after_s=0.5)
     await lead(dispatcher)

@@ -131,6 +131,7 @@ def test_random_maps_never_crash_the_decoder(data: dict) -> None:
 @pytest.mark.parametrize(("change", "field"), [
     ({"engine_config": {"num_gpu_blocks": float("inf"), "enable_prefix_caching": True}}, "engine_config"),
     ({"engine_config": {"max_num_seqs": True}}, "engine_config"),
+    ({"engine_config": {"num_gpu_blocks": 2**64 - 1}}, "engine_config"),
     ({"engine_config": {"watermark": float("nan")}}, "engine_config"),
     ({"latency_model": {"linear_knot_tokens": [1], "linear_knot_s": [float("inf")], "kv_token_s": 0,
                         "prefill_pair_s": 0, "step_overhead_s": 0}}, "latency_model"),

@@ -212,8 +212,8 @@ def _check_engine_model(data: Mapping[str, Any]) -> None:
         default = spec.default
         if isinstance(default, bool):
             ok = isinstance(value, bool)
-        elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        elif isinstance(default, int):  # counts and sizes: 2**31 is far past any engine's
+            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
         else:
             ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
         if not ok:

@@ -26,6 +26,7 @@ PRIORITIES = ("interactive", "batch")
 # A final record's status when the dispatcher refused the request before it ran.
 STATUS_INFEASIBLE = "infeasible"
 MAX_SLO_TTFT_MS = 3_600_000.0  # one hour: a longer "objective" is a typo
+MAX_EPOCH_MS = 2**53  # a timestamp in ms that a float still holds exactly
 
 
 class ValidationError(ValueError):
@@ -195,6 +196,11 @@ class Request:
     ``prompt_block_hashes``: the chained hashes of the prompt's full
     :data:`~blockq.text.block_hashes.PREFIX_BLOCK_TOKENS`-token blocks (:mod:`blockq.text.block_hashes`), added
     with the prediction; what prefix-cache lookups are keyed by (empty: none computed).
+    ``admitted_at_ms``: when Redis admitted the request, ms since the epoch on Redis' clock
+    (its entry id in ``req``), stamped by the predictor over whatever the client sent; the
+    dispatcher measures the time a request waited from it, against its estimate of Redis'
+    now, so no client's clock skews admission (None: a message from before it, measured
+    from ``submitted_at_s``).
     """
 
     id: str
@@ -217,6 +223,7 @@ class Request:
     trace_predicted_output_tokens: int | None = None
     trace_output_text: str | None = None
     prompt_block_hashes: tuple[int, ...] = ()
+    admitted_at_ms: int | None = None
     prediction: Prediction | None = None
     assignment: Assignment | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
@@ -237,6 +244,9 @@ class Request:
 
     def with_assignment(self, assignment: Assignment) -> Request:
         return replace(self, assignment=assignment)
+
+    def with_admission(self, admitted_at_ms: int) -> Request:
+        return replace(self, admitted_at_ms=admitted_at_ms)
 
     def to_map(self) -> dict[str, Any]:
         data: dict[str, Any] = {"v": self.schema_version, "kind": "request"}
@@ -295,6 +305,7 @@ class Request:
             trace_predicted_output_tokens=_optional_int(data, "trace_predicted_output_tokens", 0),
             trace_output_text=_optional_text(data, "trace_output_text", limits.max_prompt_chars),
             prompt_block_hashes=_decode_block_hashes(data, limits),
+            admitted_at_ms=_optional_int(data, "admitted_at_ms", 0, MAX_EPOCH_MS),
             prediction=Prediction.from_map(prediction) if prediction is not None else None,
             assignment=Assignment.from_map(assignment) if assignment is not None else None,
         )

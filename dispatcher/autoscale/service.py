@@ -179,7 +179,9 @@ class AutoscalingService:
         self._asked_to_drain &= live
         if self.target is not None and len(live) <= self.target:
             self._asked_to_drain.clear()
-        num_joining = sum(1 for view in views if view.health in (InstanceState.JOINING, InstanceState.SUSPECT))
+        # Known only from the registry of instances (a new term): not heard, not joining.
+        num_joining = sum(1 for view in views
+                          if view.health in (InstanceState.JOINING, InstanceState.SUSPECT) and view.heard)
         starting = starting_instances(self.target, len(live - self._asked_to_drain), num_joining,
                                       self._raised_at_s + self.options.startup_s)
         return with_draining(self.core.fleet_snapshot(now_s, starting, num_unplaced), self._asked_to_drain)

@@ -33,6 +33,10 @@ class PolicyOptions:
 class Policy(Protocol):
     name: str
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
-        """Pick one of ``candidates`` (non-empty, live instances) for ``request``."""
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
+        """Pick one of ``candidates`` (non-empty, live instances) for ``request`` at ``now_s``
+        (the caller's clock); ``bus_now_s``: the caller's estimate of Redis' now, which the
+        time a request waited is measured against (:func:`dispatcher.admission.time_waited_s`;
+        None: no estimate)."""
         ...

@@ -36,7 +36,8 @@ class LeastKv:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
         def free_per_request(view: InstanceView) -> float:
             free = view.num_free_blocks - unseen_prompt_blocks(view)
             return free / max(view.num_running + len(view.assigned_not_seen), 1)
@@ -54,7 +55,8 @@ class Llumnix:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
         def freeness(view: InstanceView) -> float:
             block_size = int(view.heartbeat.engine_config.get("block_size", 16))
             waiting_blocks = sum(_blocks(w.prompt_tokens + w.num_generated_tokens, block_size)

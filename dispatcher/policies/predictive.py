@@ -80,10 +80,12 @@ class Block:
         replica = self.view.replica(candidate, now_s)
         return forecast(replica, request.id, *replica.request_size(request))
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
-        return self._best(request, candidates, now_s)
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
+        return self._best(request, candidates, now_s, bus_now_s)
 
-    def _best(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+    def _best(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+              bus_now_s: float | None = None) -> Decision:
         # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
         # one's run to the end (the replica's next baseline, the predicted E2E) follows.
         ttft_only = self.objective == "ttft" and not self.kv_guard_candidates
@@ -110,9 +112,9 @@ class Block:
             key = (round(score, 9), self.rng.random())
             ranked.append(_Ranked(key, ttft_s, candidate, replica, size, candidate_forecast))
         ranked.sort(key=lambda item: item.key)
-        ranked = self._meeting_the_slo_first(request, ranked, now_s)
+        ranked = self._meeting_the_slo_first(request, ranked, now_s, bus_now_s)
         if _keeps_off_lanes(ranked):
-            ranked = self._lanes_last(request, ranked, now_s)
+            ranked = self._lanes_last(request, ranked, now_s, bus_now_s)
         chosen = ranked[0]
         for item in ranked[:self.kv_guard_candidates]:
             upper_size = item.replica.request_size(request, lengths="upper")
@@ -126,14 +128,15 @@ class Block:
         return Decision(chosen.candidate.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
                         predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
 
-    def _meeting_the_slo_first(self, request: Request, ranked: list[_Ranked], now_s: float) -> list[_Ranked]:
+    def _meeting_the_slo_first(self, request: Request, ranked: list[_Ranked], now_s: float,
+                               bus_now_s: float | None = None) -> list[_Ranked]:
         """The candidates predicted to meet the request's TTFT objective, best score
         first, then the others by predicted TTFT: the objective decides only among
         placements that keep the SLO (it may prefer a full instance where the request
         would wait), and when none does, the best predicted TTFT is the figure the
         request is judged by (:mod:`dispatcher.admission`). A ``best_effort`` request is
         never refused, but it too goes where it is predicted to meet its objective."""
-        budget_s = ttft_budget_s(request, self.slo_ttft_ms, now_s)
+        budget_s = ttft_budget_s(request, self.slo_ttft_ms, now_s, bus_now_s)
         if budget_s is None:
             return ranked
         meeting = [item for item in ranked if item.ttft_s <= budget_s]
@@ -142,11 +145,12 @@ class Block:
         missing = sorted((item for item in ranked if item.ttft_s > budget_s), key=lambda item: item.ttft_s)
         return meeting + missing if meeting else missing
 
-    def _lanes_last(self, request: Request, ranked: list[_Ranked], now_s: float) -> list[_Ranked]:
+    def _lanes_last(self, request: Request, ranked: list[_Ranked], now_s: float,
+                    bus_now_s: float | None = None) -> list[_Ranked]:
         """``ranked`` with the lane instances moved behind every other instance predicted
         within ``LANE_SLACK_S`` of the best TTFT and within the request's TTFT objective."""
         lanes = lane_ids([item.candidate.instance_id for item in ranked])
-        budget_s = ttft_budget_s(request, self.slo_ttft_ms, now_s)
+        budget_s = ttft_budget_s(request, self.slo_ttft_ms, now_s, bus_now_s)
         limit_s = min(item.ttft_s for item in ranked) + LANE_SLACK_S
         if budget_s is not None:
             limit_s = min(limit_s, budget_s)
@@ -191,9 +195,10 @@ class PowerOfTwo(Block):
 
     name = "power_of_two"
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
         sample = self.rng.sample(list(candidates), min(2, len(candidates)))
-        return self._best(request, sample, now_s)
+        return self._best(request, sample, now_s, bus_now_s)
 
 
 class Oracle(Block):
@@ -202,7 +207,8 @@ class Oracle(Block):
 
     name = "oracle"
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
         if request.true_output_tokens is None:
             raise ValueError("true_output_tokens: the oracle policy needs it on every request (trace replay only)")
-        return self._best(request, candidates, now_s)
+        return self._best(request, candidates, now_s, bus_now_s)

@@ -42,7 +42,8 @@ class PrefixAffinity:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
         loads = {view.instance_id: view.num_outstanding for view in candidates}
         least, most = min(loads.values()), max(loads.values())
         if most - least > BALANCE_ABS_REQUESTS and most > BALANCE_REL * least:

@@ -18,7 +18,8 @@ class RoundRobin:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._next = 0
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
         chosen = candidates[self._next % len(candidates)]
         self._next += 1
         return Decision(chosen.instance_id)
@@ -32,7 +33,8 @@ class RandomChoice:
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
         return Decision(self.rng.choice(candidates).instance_id)
 
 
@@ -44,6 +46,7 @@ class LeastRequests:
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
 
-    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> Decision:
+    def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
+               bus_now_s: float | None = None) -> Decision:
         fewest = min(v.num_outstanding for v in candidates)
         return Decision(self.rng.choice([v for v in candidates if v.num_outstanding == fewest]).instance_id)
