@@ -77,7 +77,7 @@ def validate_redis_url(url: str, key_prefix: str | None = None) -> str:
 class Settings:
     """Settings shared by every blockq component."""
 
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # holds the password
     key_prefix: str = DEFAULT_PREFIX
     max_ingress_backlog: int = 50_000
     reply_ttl_s: int = 3600

@@ -13,6 +13,11 @@
 - ``GET /healthz``: ``{"ok": true, "backend", "version"}``.
 - ``GET /metrics``: Prometheus metrics (:mod:`predictor_service.metrics`).
 
+Access (:class:`HttpAccessOptions`): with a bearer token set (env ``BLOCKQ_PREDICTOR_HTTP_TOKEN``),
+every route but ``/healthz`` and ``/metrics`` needs ``Authorization: Bearer <token>`` and
+answers 401 without it; at most ``max_concurrent_requests`` of those requests are served at
+once, one more is answered 503 with ``Retry-After``, before its body is read.
+
 The model call runs in a worker thread (``predict`` is thread-safe) so that a large
 batch does not stall the stream stage sharing the loop.
 """
@@ -20,10 +25,11 @@ batch does not stall the stream stage sharing the loop.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -32,6 +38,7 @@ from aiohttp import web
 from blockq.runtime.metrics_server import metrics_response
 from blockq.text.tokenizer import TokenCounter
 from blockq.wire.protocol import DEFAULT_LIMITS, ProtocolLimits
+from blockq.wire.redis_url import PLACEHOLDER_SECRET
 from predictor_service.metrics import predictor_registry
 from predictor_service.models import LengthPrediction, LengthPredictor, PredictionInput
 from predictor_service.online import PredictorSlot
@@ -44,6 +51,11 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _KNOWN_FIELDS = frozenset({"prompt", "prompts", "max_tokens", "num_turns"})
+TOKEN_ENV = "BLOCKQ_PREDICTOR_HTTP_TOKEN"
+MIN_TOKEN_CHARS = 16
+# Probes and scrapers carry no token, and are never turned away under load: neither
+# reaches the model, and a probe refused under load would restart a busy pod.
+OPEN_PATHS = frozenset({"/healthz", "/metrics"})
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,33 @@ class HttpApiOptions:
         """Options whose prompt and ``max_tokens`` bounds match the stream protocol's."""
         return cls(max_prompt_chars=limits.max_prompt_chars,
                    max_max_tokens=limits.max_max_tokens, **overrides)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HttpAccessOptions:
+    """Who may call the model routes (``/predict``, ``/refine``) and how many at once.
+    ``bearer_token``: when set, those routes need ``Authorization: Bearer <token>`` (401
+    otherwise); None: no authentication (serve it on loopback only). ``max_concurrent_requests``:
+    model requests served at once (count); one more is answered 503 with ``Retry-After:
+    retry_after_s`` (seconds). ``/healthz`` and ``/metrics`` are neither authenticated nor capped."""
+
+    bearer_token: str | None = field(default=None, repr=False)
+    max_concurrent_requests: int = 32
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        token = self.bearer_token
+        if token is not None:
+            if token.strip().upper() == PLACEHOLDER_SECRET:
+                raise ValueError(f"bearer_token: is the placeholder {PLACEHOLDER_SECRET!r} of "
+                                 "deploy/kubernetes/secret.yaml: set a real secret")
+            if len(token) < MIN_TOKEN_CHARS:
+                raise ValueError(f"bearer_token: must be at least {MIN_TOKEN_CHARS} characters")
+            if not all(33 <= ord(c) <= 126 for c in token):  # what a header value carries as is
+                raise ValueError("bearer_token: must be printable ASCII without spaces")
+        for name in ("max_concurrent_requests", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
 
 
 class PredictRequestError(ValueError):
@@ -169,17 +208,49 @@ class PredictorHttpApi:
 
     def __init__(self, slot: PredictorSlot, token_counter: TokenCounter, *,
                  options: HttpApiOptions | None = None, stage: PredictorStage | None = None,
-                 feedback: FeedbackConsumer | None = None,
-                 refitter: OnlineRefitter | None = None) -> None:  # fmt: skip
+                 feedback: FeedbackConsumer | None = None, refitter: OnlineRefitter | None = None,
+                 access: HttpAccessOptions | None = None) -> None:  # fmt: skip
         self.slot = slot
         self.token_counter = token_counter
         self.options = options or HttpApiOptions()
+        self.access = access or HttpAccessOptions()
+        self.num_in_flight = 0  # model requests being served (one event loop: no lock)
         self.stage = stage
         self.feedback = feedback
         self.refitter = refitter
         self.stats = HttpApiStats()
         self.registry = predictor_registry(slot, http_stats=self.stats, stage=stage, feedback=feedback,
                                            refitter=refitter)
+
+    @web.middleware
+    async def guard(self, request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Middleware: the token, then the concurrency cap, both checked before the body is
+        read (so a refused request costs no upload or parsing)."""
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        if not self._authorized(request):
+            response = _error(401, "authorization", "a valid 'Authorization: Bearer <token>' header is required")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return self._respond(response)
+        if self.num_in_flight >= self.access.max_concurrent_requests:
+            response = _error(503, "concurrency", f"more than {self.access.max_concurrent_requests} "
+                                                  "requests in flight: retry later")
+            response.headers["Retry-After"] = str(self.access.retry_after_s)
+            return self._respond(response)
+        self.num_in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.num_in_flight -= 1
+
+    def _authorized(self, request: web.Request) -> bool:
+        token = self.access.bearer_token
+        if token is None:
+            return True
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        # Constant-time comparison: the time taken must not tell how much of a guess matched.
+        return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
 
     async def read_body(self, request: web.Request) -> bytes:
         """The body, refusing (``PredictRequestError`` on ``body``) past the byte limit
@@ -242,14 +313,16 @@ API_APP_KEY: web.AppKey[PredictorHttpApi] = web.AppKey("predictor_api", Predicto
 
 def create_app(slot: PredictorSlot, token_counter: TokenCounter, *,
                options: HttpApiOptions | None = None, stage: PredictorStage | None = None,
-               feedback: FeedbackConsumer | None = None,
-               refitter: OnlineRefitter | None = None) -> web.Application:  # fmt: skip
+               feedback: FeedbackConsumer | None = None, refitter: OnlineRefitter | None = None,
+               access: HttpAccessOptions | None = None) -> web.Application:  # fmt: skip
     """The aiohttp application; ``stage``/``feedback``/``refitter`` (optional) add
-    their figures to ``/metrics``. ``app[API_APP_KEY]`` is the :class:`PredictorHttpApi`."""
+    their figures to ``/metrics``; ``access`` (default: no token, the default cap) guards
+    every route added to it, ``/refine`` included. ``app[API_APP_KEY]`` is the
+    :class:`PredictorHttpApi`."""
     api = PredictorHttpApi(slot, token_counter, options=options, stage=stage,
-                           feedback=feedback, refitter=refitter)  # fmt: skip
+                           feedback=feedback, refitter=refitter, access=access)  # fmt: skip
     # aiohttp's own cap sits above ours so that oversized bodies get our 400, not a 413.
-    app = web.Application(client_max_size=api.options.max_body_bytes + 1)
+    app = web.Application(client_max_size=api.options.max_body_bytes + 1, middlewares=[api.guard])
     app[API_APP_KEY] = api
     app.router.add_post("/predict", api.predict)
     app.router.add_get("/healthz", api.healthz)

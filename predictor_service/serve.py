@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+from collections.abc import Mapping
 
 import redis.asyncio as aioredis
 import structlog
@@ -19,6 +21,7 @@ from blockq.runtime.metrics_server import (
 from blockq.runtime.service_runner import add_common_arguments, run_service, settings_from_args
 from blockq.text.tokenizer import TokenCounter, get_token_counter
 from blockq.wire.streams import connect_async, default_consumer_name
+from predictor_service.http_api import TOKEN_ENV, HttpAccessOptions
 from predictor_service.manifest import read_manifest
 from predictor_service.models import (
     LengthPredictor,
@@ -40,7 +43,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="consumer name in the predict and feedback groups; keep it across restarts, make "
                              "it unique per replica (env BLOCKQ_CONSUMER_NAME; default predict-<hostname>)")
     parser.add_argument("--http-port", type=int, default=None, help="also serve the HTTP API on this port")
-    parser.add_argument("--http-host", default="127.0.0.1")
+    parser.add_argument("--http-host", default="127.0.0.1",
+                        help=f"address the HTTP API binds; one other than loopback needs a bearer token "
+                             f"(env {TOKEN_ENV}) or --http-allow-unauthenticated")
+    parser.add_argument("--http-max-concurrent", type=int, default=HttpAccessOptions.max_concurrent_requests,
+                        help="model requests (/predict, /refine) served at once; more get 503 with "
+                             "Retry-After (count)")
+    parser.add_argument("--http-allow-unauthenticated", action="store_true",
+                        help=f"serve the HTTP API on a non-loopback --http-host without {TOKEN_ENV}")
     parser.add_argument("--refine-model", default=None,
                         help="a refinement model directory (blockq predictor refine-train): also serve POST /refine "
                              "(remaining lengths of running requests, for workers) on the HTTP port")
@@ -63,6 +73,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="also write each refitted model to DIR/<version>")
 
 
+_SETTING_OF_ACCESS_FIELD = {"bearer_token": TOKEN_ENV, "max_concurrent_requests": "--http-max-concurrent"}
+
+
+def http_access_from_args(args: argparse.Namespace,
+                          env: Mapping[str, str] | None = None) -> HttpAccessOptions | None:
+    """The HTTP API's token (env ``BLOCKQ_PREDICTOR_HTTP_TOKEN``, never a flag: argv is
+    public on the host) and concurrency cap; None without ``--http-port``. ``ConfigError``
+    names the setting, also for a non-loopback host without a token (as the gateway)."""
+    if args.http_port is None:
+        return None
+    from blockq.frontdoors.gateway.config import is_loopback_host
+
+    env = os.environ if env is None else env
+    token = env.get(TOKEN_ENV) or None
+    try:
+        access = HttpAccessOptions(bearer_token=token, max_concurrent_requests=args.http_max_concurrent)
+    except ValueError as exc:  # "field: message", named here as the operator sets it
+        field, _, message = str(exc).partition(": ")
+        raise ConfigError(f"{_SETTING_OF_ACCESS_FIELD.get(field, field)}: {message}") from None
+    if token is None and not args.http_allow_unauthenticated and not is_loopback_host(args.http_host):
+        raise ConfigError(f"--http-host: {args.http_host} is reachable from other machines: set {TOKEN_ENV} "
+                          "(a bearer token), or pass --http-allow-unauthenticated")
+    return access
+
+
 def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if args.online_refit and args.backend != "fast":
@@ -70,6 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.refine_model and args.http_port is None:
         raise ConfigError("--refine-model: needs --http-port (workers ask POST /refine over HTTP)")
     metrics_endpoint_from_args(args)  # validated before the model loads
+    http_access_from_args(args)
     predictor = load_predictor(args.backend, args.model_dir)
     token_counter = get_token_counter(args.tokenizer)
 
@@ -121,7 +157,7 @@ async def serve_predictor(stop: asyncio.Event, client: aioredis.Redis, settings:
         )
 
         app = create_app(stage, token_counter, options=HttpApiOptions.from_limits(settings.limits),
-                         stage=stage, feedback=feedback, refitter=refitter)
+                         stage=stage, feedback=feedback, refitter=refitter, access=http_access_from_args(args))
         registry = app[API_APP_KEY].registry
         if args.refine_model:
             from predictor_service.models.refine import RefineModel

@@ -1,20 +1,27 @@
 """The predictor's HTTP API in-process: /predict single and batched (one model call),
-400 naming the field for each kind of invalid input, /healthz, /metrics."""
+400 naming the field for each kind of invalid input, /healthz, /metrics; the bearer token
+(401 without it) and the cap on concurrent model requests (503 with Retry-After), and
+their validation at start-up."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from blockq.config import Settings
+from blockq.config import ConfigError, Settings
 from blockq.text.tokenizer import get_token_counter
 from blockq.wire.streams import connect_async
 from predictor_service.feedback import FeedbackConsumer, FeedbackOptions
 from predictor_service.http_api import (
     API_APP_KEY,
+    TOKEN_ENV,
+    HttpAccessOptions,
     HttpApiOptions,
     create_app,
     parse_predict_body,
@@ -22,6 +29,7 @@ from predictor_service.http_api import (
 from predictor_service.models import LengthPrediction, PredictionInput
 from predictor_service.models.fast import FastLengthModel
 from predictor_service.quality import QualityMonitor
+from predictor_service.serve import add_serve_arguments, http_access_from_args
 from predictor_service.stage import PredictorStage
 from tests.predictor_helpers import StaticSlot
 from tests.test_predictor_stage import make_tiny_fast_model
@@ -162,3 +170,102 @@ async def test_metrics_name_every_figure(settings: Settings, tiny_model: FastLen
     assert 'blockq_predictor_http_responses_total{code="400"} 1' in text
     assert "blockq_predictor_rolling_mae_tokens NaN" in text  # no feedback yet
     assert 'blockq_predictor_alerts_total{kind="accuracy_drop"} 0' in text
+
+
+# --- access: bearer token and concurrency cap --------------------------------------------------
+
+TOKEN = "tok-0123456789abcdef"
+
+
+class GatedPredictor(CountingPredictor):
+    """Holds every model call until :attr:`release` is set (calls run in worker threads)."""
+
+    def __init__(self, inner: FastLengthModel) -> None:
+        super().__init__(inner)
+        self.release = threading.Event()
+        self.num_waiting = 0
+
+    def predict(self, inputs: Sequence[PredictionInput]) -> list[LengthPrediction]:
+        self.num_waiting += 1
+        self.release.wait(timeout=30)
+        return super().predict(inputs)
+
+
+async def test_a_token_is_required_on_model_routes_only(tiny_model: FastLengthModel) -> None:
+    app = create_app(StaticSlot(CountingPredictor(tiny_model)), get_token_counter(), options=OPTIONS,
+                     access=HttpAccessOptions(bearer_token=TOKEN))
+    async with TestClient(TestServer(app)) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": f"Bearer {TOKEN}x"}):
+            response = await client.post("/predict", json={"prompt": "hi"}, headers=headers)
+            assert response.status == 401, headers
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+            assert (await response.json())["error"]["field"] == "authorization"
+        assert (await client.post("/nowhere", json={})).status == 401  # unknown paths reveal nothing
+        response = await client.post("/predict", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert response.status == 200
+        assert (await client.get("/healthz")).status == 200  # probes carry no token
+        metrics = await (await client.get("/metrics")).text()
+    assert 'blockq_predictor_http_responses_total{code="401"} 6' in metrics
+    assert app[API_APP_KEY].slot.predictor.call_sizes == [1]  # refused requests never reach the model
+
+
+async def test_past_the_cap_requests_get_503_with_retry_after(tiny_model: FastLengthModel) -> None:
+    predictor = GatedPredictor(tiny_model)
+    app = create_app(StaticSlot(predictor), get_token_counter(), options=OPTIONS,
+                     access=HttpAccessOptions(max_concurrent_requests=2, retry_after_s=3))
+    async with TestClient(TestServer(app)) as client:
+        held = [asyncio.create_task(client.post("/predict", json={"prompt": f"q{i}"})) for i in range(2)]
+        try:
+            for _ in range(500):  # both in the model (polling a deadline of ~5 s)
+                if predictor.num_waiting == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert predictor.num_waiting == 2
+            response = await client.post("/predict", json={"prompt": "one too many"})
+            assert response.status == 503 and response.headers["Retry-After"] == "3"
+            assert (await response.json())["error"]["field"] == "concurrency"
+            assert (await client.get("/healthz")).status == 200  # not capped
+        finally:
+            predictor.release.set()
+            responses = await asyncio.gather(*held)
+        assert [r.status for r in responses] == [200, 200]
+        assert (await client.post("/predict", json={"prompt": "after"})).status == 200  # slots freed
+        assert app[API_APP_KEY].num_in_flight == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"bearer_token": "CHANGE-ME"}, "placeholder"),
+    ({"bearer_token": "change-me"}, "placeholder"),
+    ({"bearer_token": "short"}, "at least 16"),
+    ({"bearer_token": "has a space 0123456789"}, "printable"),
+    ({"bearer_token": ""}, "at least 16"),
+    ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
+    ({"retry_after_s": 0}, "retry_after_s"),
+])  # fmt: skip
+def test_access_options_are_validated(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HttpAccessOptions(**kwargs)  # type: ignore[arg-type]
+    assert TOKEN not in repr(HttpAccessOptions(bearer_token=TOKEN))
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_start_up_builds_and_checks_the_access_options() -> None:
+    assert http_access_from_args(_serve_args(), {}) is None  # no HTTP port, nothing to check
+    access = http_access_from_args(_serve_args("--http-port", "8080", "--http-max-concurrent", "4"), {TOKEN_ENV: TOKEN})
+    assert access == HttpAccessOptions(bearer_token=TOKEN, max_concurrent_requests=4)
+    assert http_access_from_args(_serve_args("--http-port", "8080"), {}) == HttpAccessOptions()  # loopback
+    with pytest.raises(ConfigError, match=f"^{TOKEN_ENV}: .*placeholder"):
+        http_access_from_args(_serve_args("--http-port", "8080"), {TOKEN_ENV: "CHANGE-ME"})
+    with pytest.raises(ConfigError, match="^--http-max-concurrent: "):
+        http_access_from_args(_serve_args("--http-port", "8080", "--http-max-concurrent", "0"), {})
+    public = ("--http-port", "8080", "--http-host", "0.0.0.0")
+    with pytest.raises(ConfigError, match=f"^--http-host: .*{TOKEN_ENV}"):
+        http_access_from_args(_serve_args(*public), {})
+    assert http_access_from_args(_serve_args(*public), {TOKEN_ENV: TOKEN}).bearer_token == TOKEN
+    assert http_access_from_args(_serve_args(*public, "--http-allow-unauthenticated"), {}).bearer_token is None

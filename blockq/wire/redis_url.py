@@ -15,6 +15,11 @@ so that configuration is checked before anything is imported or dialled).
 
 ``options`` are redis-py's URL options (``socket_timeout=2``, ``ssl_cert_reqs=none``, ...).
 A password with ``@``, ``:``, ``/``, ``,`` or ``%`` in it is percent-encoded.
+
+Secrets: the userinfo password and the options ``password``, ``sentinel_password`` and
+``ssl_password`` (any option whose name holds ``pass``, ``secret`` or ``token``).
+:func:`redact_url` masks them all; :func:`parse_redis_url` refuses any that is the
+placeholder ``CHANGE-ME`` of deploy/kubernetes/secret.yaml, so that no service starts on it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ DEFAULT_SENTINEL_PORT = 26379
 DEFAULT_SERVER_PORT = 6379
 # Options that configure the connections to the Sentinels, not to the data nodes.
 SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
+# An option whose name holds one of these is a secret (password, sentinel_password,
+# ssl_password, ...): masked by redact_url, checked against the placeholder.
+SECRET_OPTION_MARKERS = ("pass", "secret", "token")
+# The credential deploy/kubernetes/secret.yaml ships with: a deployment still holding it
+# was applied without its secrets being set, and must not start (compared case-insensitively).
+PLACEHOLDER_SECRET = "CHANGE-ME"
+REDACTED = "***"
 
 Address = tuple[str, int]
 
@@ -76,7 +88,14 @@ class RedisTarget:
 
 
 def parse_redis_url(url: str) -> RedisTarget:
-    """Parse ``url`` (any form above); raises :class:`RedisUrlError`."""
+    """Parse ``url`` (any form above); raises :class:`RedisUrlError`, also when a password
+    (userinfo or option, the Sentinels' included) is the placeholder ``CHANGE-ME``."""
+    target = _parse(url)
+    _refuse_placeholder(target)
+    return target
+
+
+def _parse(url: str) -> RedisTarget:
     scheme, separator, rest = url.partition("://")
     scheme = scheme.lower()
     if not separator or scheme not in SCHEMES:
@@ -104,9 +123,16 @@ def parse_redis_url(url: str) -> RedisTarget:
 
 
 def _parse_server(url: str, scheme: str) -> RedisTarget:
-    if scheme != "unix" and not urlparse(url).hostname:
+    """redis-py reads the URL itself (at connect); the credentials and options are parsed
+    here only so that they can be checked (:func:`_refuse_placeholder`)."""
+    parsed = urlparse(url)
+    if scheme != "unix" and not parsed.hostname:
         raise RedisUrlError(f"missing host in {redact_url(url)!r}")
-    return RedisTarget("server", url, tls=scheme == "rediss")
+    userinfo, at, _ = parsed.netloc.rpartition("@")
+    username, password = _credentials(userinfo) if at else (None, None)
+    options, _ = _options(parsed.query, url)
+    return RedisTarget("server", url, tls=scheme == "rediss", username=username, password=password,
+                       options=options)
 
 
 def _credentials(userinfo: str) -> tuple[str | None, str | None]:
@@ -154,11 +180,66 @@ def _db(parts: list[str], url: str) -> int:
     return int(parts[0])
 
 
+def is_secret_option(name: str) -> bool:
+    """Whether the URL option ``name`` (percent-encoded or not) holds a secret."""
+    name = unquote(name).lower()
+    return any(marker in name for marker in SECRET_OPTION_MARKERS)
+
+
+def _refuse_placeholder(target: RedisTarget) -> None:
+    """Raise when a secret of ``target`` is the placeholder (message: the field, never a
+    real secret)."""
+    secrets = [("password", target.password)]
+    secrets += [(unquote(name).lower(), value) for name, value in target.options + target.sentinel_options
+                if is_secret_option(name)]
+    for field_name, value in secrets:
+        if value is not None and value.strip().upper() == PLACEHOLDER_SECRET:
+            raise RedisUrlError(
+                f"{field_name}: is the placeholder {PLACEHOLDER_SECRET!r} of deploy/kubernetes/secret.yaml: "
+                "set a real secret (deploy/kubernetes/README.md)")
+
+
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for error messages and logs)."""
+    """``url`` with every secret replaced by ``***``: the userinfo password (the user name
+    stays) and every secret option (:func:`is_secret_option`), in any form above, for error
+    messages, logs and ``blockq status``. Also masks what a malformed URL would leak: a
+    password holding an unencoded ``/``, ``#`` or ``?``, and a URL without a scheme."""
     scheme, separator, rest = url.partition("://")
-    userinfo, at, tail = rest.rpartition("@")
-    if not separator or not at or "/" in userinfo:
-        return url
-    user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{tail}"
+    prefix = f"{scheme}://" if separator else ""
+    rest = rest if separator else url
+    at = _userinfo_end(rest)
+    credentials = ""
+    if at >= 0:
+        user, colon, _ = rest[:at].partition(":")
+        credentials = f"{user}{':' + REDACTED if colon else ''}@"
+        rest = rest[at + 1:]
+    main, question, query = rest.partition("?")
+    return f"{prefix}{credentials}{main}{question}{_redact_query(query)}"
+
+
+def _userinfo_end(rest: str) -> int:
+    """Index of the ``@`` that ends the userinfo in ``rest`` (the URL after ``://``), -1
+    for none: the last ``@`` before the query, or, where an unencoded ``?`` in a password
+    made the query start early, the last ``@`` in a query item's name (option names never
+    hold one, so that ``@`` is the userinfo's)."""
+    main, question, query = rest.partition("?")
+    at = main.rfind("@")
+    if question:
+        offset = len(main) + 1
+        for item in query.split("&"):
+            name = item.partition("=")[0]
+            if "@" in name:
+                at = offset + name.rindex("@")
+            offset += len(item) + 1
+    return at
+
+
+def _redact_query(query: str) -> str:
+    """``query`` with the value of every secret option masked, the rest kept as written."""
+    if not query:
+        return query
+    items = []
+    for item in query.split("&"):
+        name, equals, _ = item.partition("=")
+        items.append(f"{name}={REDACTED}" if equals and is_secret_option(name) else item)
+    return "&".join(items)
