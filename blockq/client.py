@@ -26,7 +26,6 @@ import redis
 from blockq.client_admission import (
     ADMIT_SCRIPT,
     RESUBMIT_REFUSED,
-    SUBMIT_CHECK_INTERVAL_S,
     Overloaded,
     SubmitWatch,
     admission_call,
@@ -191,15 +190,17 @@ class Handle:
 class Client:
     """Synchronous client. ``redis_url`` defaults to ``BLOCKQ_REDIS_URL``.
     ``submit_check_interval_s``: how often a waiting handle checks that Redis still knows
-    its request (:class:`blockq.client_admission.SubmitWatch`)."""
+    its request (:class:`blockq.client_admission.SubmitWatch`; default
+    ``settings.submit_check_ms``)."""
 
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None,
-                 submit_check_interval_s: float = SUBMIT_CHECK_INTERVAL_S) -> None:
+                 submit_check_interval_s: float | None = None) -> None:
         self.settings = settings or Settings.from_env(redis_url=redis_url)
         url = redis_url or self.settings.redis_url
         if not url:
             raise ConfigError("redis_url: not set (pass redis_url= or set BLOCKQ_REDIS_URL)")
-        self.submit_check_interval_s = submit_check_interval_s
+        self.submit_check_interval_s = (self.settings.submit_check_ms / 1000 if submit_check_interval_s is None
+                                        else submit_check_interval_s)
         self.redis = connect(url)
         self._admit = self.redis.register_script(ADMIT_SCRIPT)
 
@@ -308,12 +309,13 @@ class AsyncClient:
     """Asyncio client; every blocking call of :class:`Client` is a coroutine here."""
 
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None,
-                 max_connections: int = 512, submit_check_interval_s: float = SUBMIT_CHECK_INTERVAL_S) -> None:
+                 max_connections: int = 512, submit_check_interval_s: float | None = None) -> None:
         self.settings = settings or Settings.from_env(redis_url=redis_url)
         url = redis_url or self.settings.redis_url
         if not url:
             raise ConfigError("redis_url: not set (pass redis_url= or set BLOCKQ_REDIS_URL)")
-        self.submit_check_interval_s = submit_check_interval_s
+        self.submit_check_interval_s = (self.settings.submit_check_ms / 1000 if submit_check_interval_s is None
+                                        else submit_check_interval_s)
         # Each streaming handle holds a connection while it blocks on XREAD (at most 1 s):
         # past `max_connections` handles wait for a free connection instead of failing
         # (on Redis Cluster: fail, as its client cannot wait; the cap is per node there).

@@ -85,6 +85,11 @@ class Settings:
     claim_idle_ms: int = 30_000
     max_deliveries: int = 5
     heartbeat_interval_ms: int = 100
+    # How often a waiting client checks that Redis still holds its request's admission
+    # (a crash can lose the last second of writes; blockq/client_admission.py).
+    submit_check_ms: int = 1000
+    dead_letter_max_bytes: int = 64 * 1024  # of each dead-lettered payload kept in bq:dead
+    idle_consumer_ms: int = 3_600_000  # consumers idle this long with nothing pending are deleted (0: never)
     # Every interactive request's TTFT objective unless it carries its own: one the
     # dispatcher predicts it cannot meet is answered "infeasible" (0: no cluster-wide SLO).
     slo_ttft_ms: int = 3000
@@ -96,9 +101,12 @@ class Settings:
         if self.redis_url is not None:
             validate_redis_url(self.redis_url, self.key_prefix)
         for name in ("max_ingress_backlog", "reply_ttl_s", "reply_read_ttl_s", "claim_idle_ms",
-                     "max_deliveries", "heartbeat_interval_ms"):
+                     "max_deliveries", "heartbeat_interval_ms", "submit_check_ms"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        for name in ("dead_letter_max_bytes", "idle_consumer_ms"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0 (got {getattr(self, name)})")
         if not 0 <= self.slo_ttft_ms <= MAX_SLO_TTFT_MS:
             raise ConfigError(f"slo_ttft_ms: must be between 0 and {MAX_SLO_TTFT_MS:.0f} (got {self.slo_ttft_ms})")
         if self.log_level not in LOG_LEVELS:
@@ -145,6 +153,9 @@ class Settings:
             "claim_idle_ms": read_int("CLAIM_IDLE_MS", cls.claim_idle_ms),
             "max_deliveries": read_int("MAX_DELIVERIES", cls.max_deliveries),
             "heartbeat_interval_ms": read_int("HEARTBEAT_MS", cls.heartbeat_interval_ms),
+            "submit_check_ms": read_int("SUBMIT_CHECK_MS", cls.submit_check_ms),
+            "dead_letter_max_bytes": read_int("DEAD_LETTER_MAX_BYTES", cls.dead_letter_max_bytes),
+            "idle_consumer_ms": read_int("IDLE_CONSUMER_MS", cls.idle_consumer_ms),
             "slo_ttft_ms": read_int("SLO_TTFT_MS", cls.slo_ttft_ms),
             "state_dir": Path(env.get(ENV_PREFIX + "STATE_DIR") or ".blockq"),
             "log_level": (env.get(ENV_PREFIX + "LOG_LEVEL") or "info").lower(),

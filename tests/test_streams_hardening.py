@@ -12,7 +12,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from blockq.config import Settings
+from blockq.config import ConfigError, Settings
 from blockq.wire.dead_letters import DEAD_LETTER_MAX_RAW_BYTES, DEAD_LETTER_MAXLEN
 from blockq.wire.keys import PAYLOAD_FIELD
 from blockq.wire.streams import GroupConsumer, StreamEntry, connect_async
@@ -134,3 +134,16 @@ async def test_own_pending_read_again_after_an_outage_spares_held_entries(client
     assert sync_redis.xlen(settings.keys.dead_letters) == 1  # only the entry nobody held
     (_, fields), = sync_redis.xrange(settings.keys.dead_letters)
     assert fields[b"entry_id"].decode() == unseen.entry_id
+
+
+def test_dead_letter_and_idle_consumer_limits_come_from_the_environment() -> None:
+    settings = Settings.from_env({"BLOCKQ_DEAD_LETTER_MAX_BYTES": "2048", "BLOCKQ_IDLE_CONSUMER_MS": "0",
+                                  "BLOCKQ_SUBMIT_CHECK_MS": "250"})
+    configured = GroupConsumer(None, "s", "g", "c", dead_letter_stream="d", settings=settings)  # type: ignore[arg-type]
+    assert configured.dead_letter_max_raw_bytes == 2048 and configured.idle_consumer_ms is None
+    default = GroupConsumer(None, "s", "g", "c", dead_letter_stream="d", settings=Settings())  # type: ignore[arg-type]
+    assert default.dead_letter_max_raw_bytes == DEAD_LETTER_MAX_RAW_BYTES and default.idle_consumer_ms == 3_600_000
+    with pytest.raises(ConfigError, match="dead_letter_max_bytes"):
+        Settings.from_env({"BLOCKQ_DEAD_LETTER_MAX_BYTES": "-1"})
+    with pytest.raises(ConfigError, match="submit_check_ms"):
+        Settings(submit_check_ms=0)

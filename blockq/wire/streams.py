@@ -146,7 +146,9 @@ class GroupConsumer:
     ``max_deliveries`` and lets :meth:`dead_letter` tell the request's client; without it
     the limit is the default of ``Settings.max_deliveries`` and no client is told.
 
-    Dead letters keep at most ``dead_letter_max_raw_bytes`` of an entry's payload. At
+    Dead letters keep at most ``dead_letter_max_raw_bytes`` of an entry's payload (default:
+    ``settings.dead_letter_max_bytes``; ``idle_consumer_ms`` left at its default follows
+    ``settings.idle_consumer_ms``, 0 there meaning never). At
     most every ``sweep_interval_s``, a read first deletes the group's other consumers idle
     for ``idle_consumer_ms`` with no pending entries (None: never;
     :mod:`blockq.wire.consumer_sweep`). A read that finds the group gone (Redis came back
@@ -158,7 +160,7 @@ class GroupConsumer:
     def __init__(self, client: aioredis.Redis, stream: str, group: str, consumer: str, *,
                  dead_letter_stream: str, claim_idle_ms: int = 30_000, claim_stale: bool = True,
                  settings: Settings | None = None, max_deliveries: int | None = None,
-                 dead_letter_max_raw_bytes: int = DEAD_LETTER_MAX_RAW_BYTES,
+                 dead_letter_max_raw_bytes: int | None = None,
                  idle_consumer_ms: int | None = DEFAULT_IDLE_CONSUMER_MS) -> None:
         self.client = client
         self.stream = stream
@@ -173,6 +175,10 @@ class GroupConsumer:
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries: must be >= 1 (got {max_deliveries})")
         self.max_deliveries = max_deliveries
+        if dead_letter_max_raw_bytes is None:
+            dead_letter_max_raw_bytes = DEAD_LETTER_MAX_RAW_BYTES if settings is None else settings.dead_letter_max_bytes
+        if idle_consumer_ms == DEFAULT_IDLE_CONSUMER_MS and settings is not None:
+            idle_consumer_ms = settings.idle_consumer_ms or None  # 0: never
         if dead_letter_max_raw_bytes < 0 or (idle_consumer_ms is not None and idle_consumer_ms < 1):
             raise ValueError("dead_letter_max_raw_bytes: must be >= 0; idle_consumer_ms: >= 1 or None")
         self.dead_letter_max_raw_bytes = dead_letter_max_raw_bytes
