@@ -53,7 +53,9 @@ def blockq_on_cluster(redis_cluster: RedisClusterTopology,
     """``blockq up`` on the cluster: 2 instances placed by the ``block`` policy, gateway,
     batch worker; always torn down."""
     state_dir = tmp_path_factory.mktemp("blockq-on-cluster") / "state"
-    env = {"BLOCKQ_STATE_DIR": str(state_dir), "BLOCKQ_REDIS_URL": redis_cluster.url, "BLOCKQ_KEY_PREFIX": PREFIX}
+    env = {"BLOCKQ_STATE_DIR": str(state_dir), "BLOCKQ_REDIS_URL": redis_cluster.url, "BLOCKQ_KEY_PREFIX": PREFIX,
+           # the batch jobs' files live in pytest's temporary directory: the worker's and submit's root
+           "BLOCKQ_BATCH_INPUT_ROOT": str(tmp_path_factory.getbasetemp())}
     try:
         up = run_blockq("up", "--instances", "2", "--policy", "block", "--time-scale", "0.1", "--gateway",
                         "--gateway-port", str(free_port()), "--batch-worker", "--metrics-base-port", "0",
