@@ -84,20 +84,24 @@ class RateLimiter:
         return max(0.0, (1.0 - self.tokens) / self.rate_per_s)
 
 
-def write_lines_atomically(path: Path, lines: Iterable[bytes | str]) -> None:
+def write_lines_atomically(path: Path, lines: Iterable[bytes | str]) -> int:
     """Write ``lines`` (newline-terminated) to a temporary file beside ``path``, fsync it
-    and rename it over ``path``: readers see the old file or the whole new one."""
+    and rename it over ``path``: readers see the old file or the whole new one. Returns
+    the number of lines written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # Created afresh ("x": O_EXCL, which also refuses a symlink planted under that name),
     # so the write cannot be sent through a link to a file outside the output root.
     tmp.unlink(missing_ok=True)
+    num_lines = 0
     try:
         with tmp.open("xb") as file:
             for line in lines:
                 file.write(line if isinstance(line, bytes) else line.encode())
                 file.write(b"\n")
+                num_lines += 1
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
+        return num_lines
     finally:
         tmp.unlink(missing_ok=True)

@@ -129,7 +129,10 @@ class BatchRun:
         canceled = asyncio.run(self._execute(pending))
         if self.lease_lost.is_set():
             raise RuntimeError("batch job lease lost: another worker runs this job now")
-        self._write_outputs()
+        # The counts are what the files hold: a collector cancelled between storing its
+        # result and counting it (a cancel, mid-job) would otherwise be one short.
+        num_done, num_failed = self._write_outputs()
+        self.progress.values.update(done=num_done, failed=num_failed)
         self.progress.finish(canceled=canceled)
         summary = {**self.progress.values, "output": self.options.output_path, "errors": self.options.errors_path}
         log.info("batch_job_done", job_id=self.job_id, **summary)
@@ -273,16 +276,19 @@ class BatchRun:
 
     # --- output ----------------------------------------------------------------------------
 
-    def _write_outputs(self) -> None:
+    def _write_outputs(self) -> tuple[int, int]:
         """Results in input order, then errors in line order, streamed from Redis a chunk at
-        a time; each file replaced atomically."""
-        write_lines_atomically(self.files.output_path, self._stored(self.keys.results(self.job_id), self._custom_ids))
+        a time; each file replaced atomically. Returns how many lines each holds."""
+        num_done = write_lines_atomically(self.files.output_path,
+                                          self._stored(self.keys.results(self.job_id), self._custom_ids))
         line_numbers = (str(n) for n in range(1, self._last_line_number + 1))
-        write_lines_atomically(self.files.errors_path, self._stored(self.keys.errors(self.job_id), line_numbers))
+        num_failed = write_lines_atomically(self.files.errors_path,
+                                            self._stored(self.keys.errors(self.job_id), line_numbers))
         pipe = self.redis.pipeline(transaction=False)
         pipe.expire(self.keys.results(self.job_id), RESULTS_TTL_S)
         pipe.expire(self.keys.errors(self.job_id), RESULTS_TTL_S)
         pipe.execute()
+        return num_done, num_failed
 
     def _stored(self, key: str, names: Iterable[str]) -> Iterator[bytes]:
         """The values of hash ``key`` under ``names``, in order (missing ones skipped)."""
