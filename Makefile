@@ -56,10 +56,11 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -c "from blockq.engine_model.packed import warm_up; warm_up()"
 	touch $(VLLM_STAMP)
 
-# The real-vLLM tests (a 2-instance cluster of vLLM engines on a tiny model; 4-5 minutes here)
+# The real-vLLM tests (a 2-instance cluster of vLLM engines on a tiny model, the defaults that
+# size vLLM on a CPU node and refuse what cannot start; about 8 minutes here)
 # and the engine model against vLLM's own scheduler, step for step (about 35 s).
 test-vllm: vllm
-	@BLOCKQ_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s tests/test_vllm_real.py tests/test_vllm_scheduler_diff.py tests/test_vllm_fidelity.py; rc=$$?; \
+	@BLOCKQ_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s tests/test_vllm_real.py tests/test_vllm_scheduler_diff.py tests/test_vllm_fidelity.py tests/test_vllm_defaults.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
 
 lint: setup

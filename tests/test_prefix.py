@@ -240,7 +240,7 @@ def test_prefix_caching_flags_reach_the_workers_and_their_engines(tmp_path: Path
     from blockq.config import ConfigError
     from blockq.local.cluster_config import ClusterConfig
     from workers.cli import add_arguments, build_engine
-    from workers.engines.vllm import VllmEngineOptions
+    from workers.engines.vllm_options import VllmEngineOptions
 
     (_, worker_argv), = [child for child in ClusterConfig(prefix_caching=True).child_argvs() if child[0] == "workers-0"]
     assert "--prefix-caching" in worker_argv

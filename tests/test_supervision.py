@@ -17,8 +17,15 @@ import redis
 
 from blockq.client import Client
 from blockq.config import Settings
+from blockq.local.cluster_config import WILL_NOT_START_EXIT_CODE
 from blockq.local.state import ClusterState, ProcessIdentity
-from blockq.local.supervisor import HEALTHY_AFTER_S, MAX_BACKOFF_S, next_restart
+from blockq.local.supervisor import (
+    HEALTHY_AFTER_S,
+    MAX_BACKOFF_S,
+    ChildSpec,
+    Supervisor,
+    next_restart,
+)
 from tests.conftest import run_blockq, wait_until
 
 
@@ -41,6 +48,31 @@ def test_backoff_resets_after_a_healthy_run() -> None:
     assert (num_restarts, backoff_s) == (1, 0.5)
     # Short of healthy, the loop keeps its count.
     assert next_restart(5, ran_for_s=HEALTHY_AFTER_S - 1)[0] == 6
+
+
+def test_a_child_that_says_it_will_not_start_is_not_restarted(tmp_path: Path, redis_url: str) -> None:
+    """Exit status 78 (a vLLM engine refusing its memory, say) means the same options fail
+    again: the supervisor records it and does not restart it; a crash is restarted."""
+    (tmp_path / "logs").mkdir()
+    # `python -m tests.exit_with CODE` exits with CODE at once
+    specs = [ChildSpec("refusing", ("tests.exit_with", str(WILL_NOT_START_EXIT_CODE))),
+             ChildSpec("crashing", ("tests.exit_with", "1"))]
+    supervisor = Supervisor(tmp_path, specs, redis_url=redis_url, num_instances=0)
+    refusing_child, crashing_child = supervisor.children
+    for child in supervisor.children:
+        supervisor._start(child)
+        child.process.wait(timeout=30)
+    first_refusing_pid = refusing_child.process.pid
+    deadline_s = time.monotonic() + 10
+    while crashing_child.num_restarts < 2 and time.monotonic() < deadline_s:
+        supervisor._restart_dead_children()
+        time.sleep(0.05)
+    assert crashing_child.num_restarts >= 2  # a crash loop goes on, with backoff
+    assert refusing_child.will_not_start and refusing_child.process.pid == first_refusing_pid
+    assert supervisor._failures["refusing"]["returncode"] == WILL_NOT_START_EXIT_CODE
+    for child in supervisor.children:
+        if child.process.poll() is None:
+            child.process.kill()
 
 
 @pytest.fixture

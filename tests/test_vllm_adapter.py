@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from workers.engines.base import EngineRequestSpec
-from workers.engines.vllm import VllmEngine, VllmEngineOptions
+from workers.engines.vllm import VllmEngine
+from workers.engines.vllm_options import VllmEngineOptions
 
 
 @dataclass

@@ -2,18 +2,23 @@
 
 When any instance's worker fails (one of its loops died), the others are stopped without
 draining (their unfinished work stays pending, resumed by the restarted process) and the
-process exits with status 1, so that its supervisor restarts it.
+process exits with status 1, so that its supervisor restarts it. When vLLM refuses to
+start with the options given, the process exits with status 78
+(:data:`blockq.local.cluster_config.WILL_NOT_START_EXIT_CODE`): the same options would fail
+the same way, and ``blockq up`` stops and names the option rather than restart it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 import structlog
 
 from blockq.config import DEFAULT_REFINE_EVERY_TOKENS
 from blockq.engine_model.measured_profile import load_profile
+from blockq.local.cluster_config import WILL_NOT_START_EXIT_CODE, WILL_NOT_START_MARKER
 from blockq.runtime.metrics_server import (
     add_metrics_arguments,
     metrics_endpoint_from_args,
@@ -21,7 +26,8 @@ from blockq.runtime.metrics_server import (
 )
 from blockq.runtime.service_runner import add_common_arguments, run_service, settings_from_args
 from blockq.wire.streams import connect_async
-from workers.engines.vllm import VllmEngineOptions, add_vllm_engine_arguments
+from workers.engines.vllm import EngineWillNotStart
+from workers.engines.vllm_options import VllmEngineOptions, add_vllm_engine_arguments
 from workers.metrics import WorkerMetrics
 from workers.worker import InstanceWorker, WorkerFailed, WorkerOptions
 
@@ -107,6 +113,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return run_service(settings, "worker", main)
+    except EngineWillNotStart as exc:
+        log.error("engine_will_not_start", error=str(exc))
+        # One plain line, last in the log, that `blockq up` reports (blockq/local/up.py).
+        sys.stderr.write(f"workers: vLLM {WILL_NOT_START_MARKER} {exc} (the options that change it: "
+                         f"--kv-cache-bytes, --max-model-len, --block-size, --gpu-memory-utilization)\n")
+        return WILL_NOT_START_EXIT_CODE
     except BaseExceptionGroup as group:
         failures, others = group.split(WorkerFailed)
         if failures is None or others is not None:

@@ -18,8 +18,9 @@ With ``engine = "vllm"`` the instances run vLLM on ``model`` (a path or model na
 one instance per worker process; ``vllm_block_size``, ``vllm_kv_cache_bytes``,
 ``vllm_gpu_memory_utilization``, ``vllm_max_model_len`` and ``vllm_max_num_seqs`` pass
 through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or compilation,
-for a fast start-up),
-and ``preset``, ``time_scale`` and ``noise`` (the emulated engine's) are not used.
+for a fast start-up); on a CPU node ``blockq up`` chooses the block size and KV cache size
+that are not set, from the node's free memory (:meth:`ClusterConfig.vllm_wanted`,
+blockq/local/vllm_sizing.py), and ``preset``, ``time_scale`` and ``noise`` (the emulated engine's) are not used.
 
 ``prefix_caching = true`` turns on every instance's prefix cache (``workers
 --prefix-caching``): the emulated engines reuse cached prompt blocks and count hits; vLLM
@@ -58,6 +59,7 @@ from typing import Any
 
 from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, METRICS_OFF, AutoscaleOptions, ConfigError
 from blockq.local.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
+from blockq.local.vllm_sizing import VllmSizing, VllmWanted
 
 ENGINES = ("emulated", "vllm")
 DEFAULT_METRICS_BASE_PORT = 9400
@@ -65,6 +67,10 @@ DEFAULT_METRICS_BASE_PORT = 9400
 METRICS_PORT_OFFSETS = {"dispatcher": 0, "predictor": 1}
 WORKER_METRICS_PORT_OFFSET = 2
 WORKER_CHILD_PREFIX = "workers-"
+# A child's exit status for "these options cannot work, do not restart me" (sysexits'
+# EX_CONFIG): `up` stops at its first such exit and reports the line holding the marker.
+WILL_NOT_START_EXIT_CODE = 78
+WILL_NOT_START_MARKER = "will not start:"
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,17 @@ class ClusterConfig:
     @property
     def num_worker_processes(self) -> int:
         return math.ceil(self.instances / self.instances_per_worker_process)
+
+    def vllm_wanted(self) -> VllmWanted:
+        """The vLLM options as given, for sizing on a CPU node (blockq/local/vllm_sizing.py):
+        the instances sharing the node are the most the fleet may reach."""
+        num_sharing = self.autoscale.max_instances if self.autoscale is not None else self.instances
+        return VllmWanted(num_sharing, self.vllm_block_size, self.vllm_kv_cache_bytes,
+                          self.vllm_gpu_memory_utilization, self.vllm_max_model_len, self.vllm_max_num_seqs)
+
+    def with_vllm_sizing(self, sizing: VllmSizing) -> ClusterConfig:
+        """A copy with the block size and KV cache size ``sizing`` chose (None: left as is)."""
+        return self.with_overrides(vllm_block_size=sizing.block_size, vllm_kv_cache_bytes=sizing.kv_cache_bytes)
 
     def with_overrides(self, **overrides: Any) -> ClusterConfig:
         """A copy with every override that is not None applied."""

@@ -47,6 +47,7 @@ from typing import IO
 import redis
 import structlog
 
+from blockq.local.cluster_config import WILL_NOT_START_EXIT_CODE
 from blockq.local.embedded_redis import DEFAULT_MAXMEMORY, EmbeddedRedis, start_embedded_redis
 from blockq.local.state import (
     CLUSTER_ENV,
@@ -113,6 +114,7 @@ class Child:
     log_file: IO[bytes] | None = field(default=None, repr=False)
     index: int | None = None    # the instance index of a worker the autoscaler sizes
     retired: bool = False       # drained on a scale-down: not restarted, forgotten on exit
+    will_not_start: bool = False  # exited saying its options cannot work: not restarted
 
 
 class Supervisor:
@@ -256,6 +258,15 @@ class Supervisor:
                 continue
             if child.retired:
                 self._forget(child)
+            elif child.will_not_start:
+                continue
+            elif child.process.returncode == WILL_NOT_START_EXIT_CODE:
+                # the child said its options cannot work (e.g. vLLM refused the memory it was
+                # given): starting it again with the same options would only fail again
+                child.will_not_start = True
+                self._failures[child.spec.name] = {"num_restarts": child.num_restarts,
+                                                   "returncode": child.process.returncode}
+                log.error("child_will_not_start", child=child.spec.name, returncode=child.process.returncode)
             elif child.next_start_at_s == 0.0:
                 child.num_restarts, backoff_s = next_restart(child.num_restarts, now_s - child.started_at_s)
                 child.next_start_at_s = now_s + backoff_s

@@ -23,7 +23,11 @@ from blockq.config import (
     add_refine_arguments,
     add_scaling_options,
 )
-from blockq.local.cluster_config import ClusterConfig
+from blockq.local.cluster_config import (
+    WILL_NOT_START_EXIT_CODE,
+    WILL_NOT_START_MARKER,
+    ClusterConfig,
+)
 from blockq.local.state import (
     CLUSTER_ENV,
     EXEC_GRACE_S,
@@ -55,6 +59,12 @@ VLLM_UP_OPTIONS = (
 # A child that died this many times in a row before the cluster was ready will not come up
 # by itself (a taken port, a bad flag): `up` stops the cluster and says why.
 MAX_START_FAILURES = 3
+
+# How long `up --detach` waits for a cluster that is still starting. A vLLM engine loads and
+# compiles its model first (over 2 minutes for two engines on 2 shared cores here); one that
+# cannot start fails at once (WILL_NOT_START_EXIT_CODE), so the long wait is only for progress.
+READY_TIMEOUT_S = 120.0
+VLLM_READY_TIMEOUT_S = 600.0
 
 # `blockq up`'s autoscaling options: each sets the AutoscaleOptions field of its name.
 AUTOSCALE_UP_OPTIONS = (
@@ -102,7 +112,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     for option, kind, text in AUTOSCALE_UP_OPTIONS:
         p.add_argument(option, dest="autoscale_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
     p.add_argument("--detach", action="store_true", help="return once the cluster is ready")
-    p.add_argument("--ready-timeout-s", type=float, default=120.0)
+    p.add_argument("--ready-timeout-s", type=float, default=None,
+                   help=f"--detach: seconds to wait until every instance is live (default {READY_TIMEOUT_S:.0f}; "
+                        f"--engine vllm: {VLLM_READY_TIMEOUT_S:.0f})")
     p.add_argument("--json", action="store_true", help="print the ready report as JSON")
     p.set_defaults(handler=cmd_up)
 
@@ -163,7 +175,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from blockq.local.supervisor import Supervisor
 
     settings = settings_from_args(args, require_redis=False)
-    config = _cluster_config(args)
+    config = size_vllm(_cluster_config(args))
     running = _running_supervisor(settings.state_dir)
     if running is not None:
         raise ConfigError(f"state_dir: a cluster is already running from {settings.state_dir} "
@@ -178,6 +190,36 @@ def cmd_up(args: argparse.Namespace) -> int:
     gateway_url = f"http://{config.gateway_host}:{config.gateway_port}" if config.gateway else None
     return Supervisor(settings.state_dir, specs, redis_url=settings.redis_url, num_instances=config.instances,
                       gateway_url=gateway_url, redis_maxmemory=config.redis_maxmemory, scaling=scaling).run()
+
+
+def size_vllm(config: ClusterConfig) -> ClusterConfig:
+    """``config`` with the vLLM block size and KV cache size chosen on a CPU node where not
+    given, from the node's free memory and the model's files (docs/engines.md, "Sizing
+    vLLM on a CPU node"); ConfigError naming the option when it cannot start. Anything
+    else (the emulated engine, vLLM's GPU build) is left as given."""
+    from blockq.local.vllm_sizing import (
+        measure_node,
+        read_model_shape,
+        size_cpu_instances,
+        vllm_runs_on_cpu,
+    )
+
+    if config.engine != "vllm" or not vllm_runs_on_cpu():
+        return config
+    sizing = size_cpu_instances(config.vllm_wanted(), measure_node(), read_model_shape(str(config.model)))
+    sys.stderr.write(f"blockq up: vLLM on CPU: {sizing.reason}\n")
+    return config.with_vllm_sizing(sizing)
+
+
+def _sized_argv(config: ClusterConfig) -> list[str]:
+    """The sizes chosen, as flags for the detached supervisor: it runs with what this
+    process measured and printed, not a second measure of a node whose free memory moved."""
+    argv: list[str] = []
+    if config.engine == "vllm":
+        for option, value in (("--block-size", config.vllm_block_size),
+                              ("--kv-cache-bytes", config.vllm_kv_cache_bytes)):
+            argv += [option, str(value)] if value is not None else []
+    return argv
 
 
 def _running_supervisor(state_dir: Path) -> int | None:
@@ -211,7 +253,7 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfi
                  redis_url: str | None) -> int:
     """Start the supervisor in the background and wait for every instance to be live."""
     started_s = time.monotonic()
-    argv = _argv_without_secrets(sys.argv[1:])
+    argv = _argv_without_secrets(sys.argv[1:]) + _sized_argv(config)
     env = dict(os.environ, **{CLUSTER_ENV: cluster_marker(state_dir)})
     if redis_url:
         env["BLOCKQ_REDIS_URL"] = redis_url
@@ -227,7 +269,9 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfi
     identity = ProcessIdentity.try_of(supervisor.pid, exec_grace_s=EXEC_GRACE_S)
     if identity is not None:
         record_supervisor(state_dir, identity)
-    report = wait_until_ready(args, state_dir, config.instances, args.ready_timeout_s, supervisor)
+    timeout_s = args.ready_timeout_s if args.ready_timeout_s is not None else (
+        VLLM_READY_TIMEOUT_S if config.engine == "vllm" else READY_TIMEOUT_S)
+    report = wait_until_ready(args, state_dir, config.instances, timeout_s, supervisor)
     report["ready_s"] = round(time.monotonic() - started_s, 3)
     if args.json:
         print_json(report)
@@ -282,22 +326,48 @@ def _try_ready_status(args: argparse.Namespace, state: ClusterState, num_instanc
 
 
 def _start_failure(state_dir: Path, state: ClusterState) -> str | None:
-    """Why a child of a starting cluster will not come up (its last words), or None."""
+    """Why a child of a starting cluster will not come up (its last words), or None: at
+    once when it exited saying so (WILL_NOT_START_EXIT_CODE), else after
+    MAX_START_FAILURES deaths in a row."""
     for name, failure in sorted(state.child_failures.items()):
+        if failure.get("returncode") == WILL_NOT_START_EXIT_CODE:
+            return _will_not_start(name, state_dir / "logs" / f"{name}.log")
         if failure.get("num_restarts", 0) >= MAX_START_FAILURES:
             return (f"{name} exited {failure['num_restarts']} times in a row while starting "
                     f"(exit code {failure.get('returncode')}): {_last_line(state_dir / 'logs' / f'{name}.log')}")
     return None
 
 
-def _last_line(path: Path, max_chars: int = 400) -> str:
+def _will_not_start(name: str, log_path: Path) -> str:
+    """The option to change and vLLM's reason where its log says (vLLM's engine-core
+    process logs the cause, the worker only that it died), else the worker's own line."""
+    from blockq.local.vllm_sizing import explain_vllm_refusal
+
+    lines = _tail_lines(log_path, num_bytes=65536)
+    marks = [index for index, line in enumerate(lines) if WILL_NOT_START_MARKER in line]
+    if not marks:
+        return f"{name} {WILL_NOT_START_MARKER} {_last_line(log_path)}"
+    # This start's lines only: the log is appended to, and an earlier start may have
+    # failed otherwise.
+    this_start = lines[(marks[-2] + 1 if len(marks) > 1 else 0):marks[-1] + 1]
+    return f"{name} {WILL_NOT_START_MARKER} {explain_vllm_refusal(this_start) or lines[marks[-1]][:800]}"
+
+
+def _tail_lines(path: Path, num_bytes: int = 8192) -> list[str]:
+    """The non-blank lines of the last ``num_bytes`` of ``path`` (none if unreadable)."""
     try:
         with open(path, "rb") as file:
             file.seek(0, os.SEEK_END)
-            file.seek(max(0, file.tell() - 8192))
-            lines = [line for line in file.read().decode(errors="replace").splitlines() if line.strip()]
+            file.seek(max(0, file.tell() - num_bytes))
+            return [line for line in file.read().decode(errors="replace").splitlines() if line.strip()]
     except OSError:
+        return []
+
+
+def _last_line(path: Path, max_chars: int = 400) -> str:
+    if not path.exists():
         return "(no log)"
+    lines = _tail_lines(path)
     return lines[-1][:max_chars] if lines else "(empty log)"
 
 

@@ -158,7 +158,7 @@ def _parse_loads(text: str) -> list[float]:
 
 
 def add_fidelity_arguments(parser: argparse.ArgumentParser) -> None:
-    from workers.engines.vllm import add_vllm_engine_arguments
+    from workers.engines.vllm_options import add_vllm_engine_arguments
 
     parser.add_argument("--model", required=True, help="the model directory vLLM serves")
     parser.add_argument("--trace", required=True, help="a trace with prompt and output lengths")

@@ -182,7 +182,7 @@ def open_engine(args: argparse.Namespace, enable_prefix_caching: bool | None = N
     """A :class:`~loadgen.fidelity.engine_process.VllmEngineProcess` for the command's
     engine options, on ``--engine-core``."""
     from loadgen.fidelity.engine_process import VllmEngineProcess, default_engine_core
-    from workers.engines.vllm import VllmEngineOptions
+    from workers.engines.vllm_options import VllmEngineOptions
 
     options = VllmEngineOptions.from_args(args, enable_prefix_caching=enable_prefix_caching)
     core = args.engine_core if args.engine_core is not None else default_engine_core()
@@ -203,7 +203,7 @@ def fit_profile(engine: Any, model: str, steps: Sequence[StepRecord]) -> Measure
 
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
-    from workers.engines.vllm import add_vllm_engine_arguments
+    from workers.engines.vllm_options import add_vllm_engine_arguments
 
     parser.add_argument("--engine", choices=["vllm"], default="vllm", help="the engine to profile")
     parser.add_argument("--model", required=True, help="the model directory vLLM serves")

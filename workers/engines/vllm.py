@@ -21,11 +21,14 @@ token id, an engine error) ends with an ``error`` event carrying vLLM's message,
 the worker writes as the request's final record. The adapter publishes no preset, and a
 latency model only when given a measured profile (``--profile``, ``blockq profile``);
 without one the dispatcher starts from a prior and refits it from the samples.
+
+The options it takes are :mod:`workers.engines.vllm_options`'s. When vLLM refuses to
+start, :func:`build_vllm_engine` raises :class:`EngineWillNotStart` (the worker then exits
+with status 78, not to be restarted).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -40,6 +43,7 @@ from typing import Any
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+from workers.engines.vllm_options import VllmEngineOptions
 
 MAX_PENDING_SAMPLES = 256
 
@@ -67,83 +71,6 @@ for process in seen.values():
         pass
 """
 _watchdog_pipe: list[int] = []  # the write end, held open for the process's life
-
-
-@dataclass(frozen=True)
-class VllmEngineOptions:
-    """What the worker asks of vLLM; None leaves vLLM's own default (and what it chose is
-    read back after start-up). ``kv_cache_bytes`` fixes the KV cache size (on CPU the
-    only sizing that does not depend on the machine's free memory);
-    ``gpu_memory_utilization`` is the fraction of device memory (on CPU: of the node's)
-    vLLM may take. ``enable_prefix_caching`` True turns vLLM's prefix cache on (None:
-    vLLM's default, on in V1 for most models; the beats' engine config says which)."""
-
-    model: str | None
-    max_num_seqs: int = 48
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    block_size: int | None = None
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    enforce_eager: bool = False
-    enable_prefix_caching: bool | None = None
-
-    def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("model: --model PATH is required for --engine vllm")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "kv_cache_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}: must be >= 1 (got {value})")
-        utilization = self.gpu_memory_utilization
-        if utilization is not None and not 0.0 < utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1] (got {utilization})")
-
-    @classmethod
-    def from_args(cls, args: Any, enable_prefix_caching: bool | None = None) -> VllmEngineOptions:
-        """From the options :func:`add_vllm_engine_arguments` adds (and ``--model``)."""
-        return cls(model=args.model, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_model_len=args.max_model_len, block_size=args.block_size,
-                   kv_cache_bytes=args.kv_cache_bytes,
-                   gpu_memory_utilization=args.gpu_memory_utilization,
-                   enforce_eager=args.enforce_eager, enable_prefix_caching=enable_prefix_caching)
-
-    def engine_args(self) -> dict[str, Any]:
-        args: dict[str, Any] = {
-            "model": self.model, "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens, "enable_chunked_prefill": True,
-            "enforce_eager": self.enforce_eager, "disable_log_stats": False,
-            "enable_logging_iteration_details": True}
-        optional = {"max_model_len": self.max_model_len, "block_size": self.block_size,
-                    "kv_cache_memory_bytes": self.kv_cache_bytes,
-                    "gpu_memory_utilization": self.gpu_memory_utilization,
-                    "enable_prefix_caching": self.enable_prefix_caching}
-        args.update({name: value for name, value in optional.items() if value is not None})
-        return args
-
-
-def add_vllm_engine_arguments(parser: Any, for_one_engine: bool = False) -> None:
-    """The vLLM engine options of ``blockq worker`` / ``up``, ``profile`` and ``fidelity``.
-
-    ``for_one_engine``: a measurement run (profile, fidelity) defaults to eager mode, as
-    compiling the model on CPU takes minutes and changes nothing the runs measure.
-    """
-    vllm = parser.add_argument_group("vLLM engine (None: vLLM's default; what it chose is read back)")
-    vllm.add_argument("--max-num-seqs", type=int, default=VllmEngineOptions.max_num_seqs)
-    vllm.add_argument("--max-num-batched-tokens", type=int, default=VllmEngineOptions.max_num_batched_tokens)
-    vllm.add_argument("--max-model-len", type=int, default=None)
-    vllm.add_argument("--block-size", type=int, default=None,
-                      help="KV block size (vLLM's CPU attention: a multiple of 32)")
-    vllm.add_argument("--kv-cache-bytes", type=int, default=None, help="fixed KV cache size in bytes")
-    vllm.add_argument("--gpu-memory-utilization", type=float, default=None,
-                      help="fraction of device memory (on CPU: of node memory) vLLM may use")
-    if for_one_engine:
-        vllm.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                          help="no CUDA graphs / compilation (default here: on)")
-    else:
-        vllm.add_argument("--enforce-eager", action="store_true",
-                          help="no CUDA graphs / compilation (faster start-up)")
 
 
 @dataclass
@@ -199,8 +126,17 @@ def kill_engine_processes_on_exit() -> None:
     _watchdog_pipe.append(write_fd)
 
 
+class EngineWillNotStart(RuntimeError):
+    """vLLM refused to start with these options (a KV cache too small for max_model_len,
+    a block size no kernel takes, memory vLLM will not find): restarting the worker with
+    the same options fails the same way, so the worker exits with
+    :data:`blockq.local.cluster_config.WILL_NOT_START_EXIT_CODE` instead."""
+
+
 def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> Any:
-    """vLLM's async engine for ``options``, its stat logger feeding ``stats``."""
+    """vLLM's async engine for ``options``, its stat logger feeding ``stats``;
+    EngineWillNotStart when vLLM refuses to start (its own message says why: vLLM's
+    engine-core process logs the cause before it)."""
     try:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -220,7 +156,11 @@ def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> Any:
         def log_engine_initialized(self) -> None:
             pass
 
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**options.engine_args()), stat_loggers=[_Logger])
+    options.apply_to_environment()
+    try:
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**options.engine_args()), stat_loggers=[_Logger])
+    except Exception as exc:  # a configuration error in this process, or the engine core's death
+        raise EngineWillNotStart(f"{type(exc).__name__}: {exc}") from exc
 
 
 def sampling_params(spec: EngineRequestSpec) -> Any:

@@ -1,0 +1,103 @@
+"""What a worker asks of its vLLM engine: :class:`VllmEngineOptions` and the command-line
+options that set them (``blockq worker`` / ``up``, ``profile``, ``fidelity``).
+
+On a CPU, ``blockq up`` chooses the block size and KV cache size when they are not given
+(blockq/local/vllm_sizing.py, docs/engines.md "Sizing vLLM on a CPU node"); these options
+only carry them to vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from blockq.local.vllm_sizing import DEFAULT_MAX_NUM_SEQS, KV_CACHE_ENV
+
+
+@dataclass(frozen=True)
+class VllmEngineOptions:
+    """What the worker asks of vLLM; None leaves vLLM's own default (and what it chose is
+    read back after start-up). ``kv_cache_bytes`` fixes the KV cache size (on CPU the
+    only sizing that does not depend on the machine's free memory; it wins over a
+    ``VLLM_CPU_KVCACHE_SPACE`` in the environment, :meth:`apply_to_environment`);
+    ``gpu_memory_utilization`` is the fraction of device memory (on CPU: of the node's)
+    vLLM may take. ``enable_prefix_caching`` True turns vLLM's prefix cache on (None:
+    vLLM's default, on in V1 for most models; the beats' engine config says which)."""
+
+    model: str | None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    block_size: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model: --model PATH is required for --engine vllm")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {value})")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0.0 < utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1] (got {utilization})")
+
+    @classmethod
+    def from_args(cls, args: Any, enable_prefix_caching: bool | None = None) -> VllmEngineOptions:
+        """From the options :func:`add_vllm_engine_arguments` adds (and ``--model``)."""
+        return cls(model=args.model, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_model_len=args.max_model_len, block_size=args.block_size,
+                   kv_cache_bytes=args.kv_cache_bytes,
+                   gpu_memory_utilization=args.gpu_memory_utilization,
+                   enforce_eager=args.enforce_eager, enable_prefix_caching=enable_prefix_caching)
+
+    def apply_to_environment(self, environ: Any = os.environ) -> None:
+        """Drop ``VLLM_CPU_KVCACHE_SPACE`` when a KV cache size is given: vLLM-CPU lets it
+        replace ``kv_cache_memory_bytes`` (vllm/platforms/cpu.py, check_and_update_config),
+        and the option, chosen for this instance, must win. Call before building the engine
+        (its engine-core process inherits the environment)."""
+        if self.kv_cache_bytes is not None:
+            environ.pop(KV_CACHE_ENV, None)
+
+    def engine_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "model": self.model, "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens, "enable_chunked_prefill": True,
+            "enforce_eager": self.enforce_eager, "disable_log_stats": False,
+            "enable_logging_iteration_details": True}
+        optional = {"max_model_len": self.max_model_len, "block_size": self.block_size,
+                    "kv_cache_memory_bytes": self.kv_cache_bytes,
+                    "gpu_memory_utilization": self.gpu_memory_utilization,
+                    "enable_prefix_caching": self.enable_prefix_caching}
+        args.update({name: value for name, value in optional.items() if value is not None})
+        return args
+
+
+def add_vllm_engine_arguments(parser: Any, for_one_engine: bool = False) -> None:
+    """The vLLM engine options of ``blockq worker`` / ``up``, ``profile`` and ``fidelity``.
+
+    ``for_one_engine``: a measurement run (profile, fidelity) defaults to eager mode, as
+    compiling the model on CPU takes minutes and changes nothing the runs measure.
+    """
+    vllm = parser.add_argument_group("vLLM engine (None: vLLM's default; what it chose is read back)")
+    vllm.add_argument("--max-num-seqs", type=int, default=VllmEngineOptions.max_num_seqs)
+    vllm.add_argument("--max-num-batched-tokens", type=int, default=VllmEngineOptions.max_num_batched_tokens)
+    vllm.add_argument("--max-model-len", type=int, default=None)
+    vllm.add_argument("--block-size", type=int, default=None,
+                      help="KV block size in tokens (vLLM's CPU attention: a multiple of 32; `up` on CPU: 128)")
+    vllm.add_argument("--kv-cache-bytes", type=int, default=None, help="fixed KV cache size in bytes (wins over VLLM_CPU_KVCACHE_SPACE; `up` on CPU "
+                           "sizes it from free memory when none is given)")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=None,
+                      help="fraction of device memory (on CPU: of node memory) vLLM may use")
+    if for_one_engine:
+        vllm.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                          help="no CUDA graphs / compilation (default here: on)")
+    else:
+        vllm.add_argument("--enforce-eager", action="store_true",
+                          help="no CUDA graphs / compilation (faster start-up)")
