@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from blockq.engine_model.latency import StepLatencyModel
+from blockq.forecast_check import AnsweredRecord, ForecastCheck, ForecastCheckOptions, TrustChange
 from blockq.wire.beats import Heartbeat
 from blockq.wire.health import HealthPolicy
 from blockq.wire.protocol import Assignment, Request
@@ -27,6 +28,9 @@ from dispatcher.priority import eligible_candidates
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 
 NUM_ANSWERED_SIZES = 2000
+# The ``correct`` fallback scales an untrusted replica's steps by (measured / forecast)
+# to this power per verdict (see DispatcherCore.observe_answer).
+CORRECTION_DAMPING = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +114,8 @@ class DispatcherCore:
                  lengths: str | None = None, health_policy: HealthPolicy | None = None,
                  timer: Callable[[], float] | None = None,
                  slo_ttft_ms: float | None = None,
-                 prior_latency_model: StepLatencyModel | None = None) -> None:
+                 prior_latency_model: StepLatencyModel | None = None,
+                 forecast_check: ForecastCheckOptions | None = None) -> None:
         self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy,
                               prior_latency_model=prior_latency_model)
         self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective,
@@ -121,6 +126,9 @@ class DispatcherCore:
         # (prompt, output tokens) of the latest requests answered ok, from the beats: the
         # realized mix a scaler sizes future arrivals with.
         self.answered_sizes: deque[tuple[int, int]] = deque(maxlen=NUM_ANSWERED_SIZES)
+        # Every instance's forecasts scored against its answers (docs/dispatcher.md, "The
+        # forecast check"); its fallback decides what an untrusted replica is used for.
+        self.forecast_check = ForecastCheck(forecast_check or ForecastCheckOptions())
 
     @property
     def lengths(self) -> str:
@@ -200,6 +208,37 @@ class DispatcherCore:
                       for instance_id, ready_at_s in sorted(starting.items()) if instance_id not in seen)
         return FleetSnapshot(now_s, tuple(states), config, latency_model, num_unplaced, tuple(self.answered_sizes))
 
+    # --- the forecast check --------------------------------------------------------------
+
+    def observe_answer(self, record: AnsweredRecord) -> TrustChange | None:
+        """Score one final record (a ``done`` record live, a simulated engine's answer)
+        against the forecast made at its placement; returns the instance's change of trust
+        if this record made one (the caller logs it). With the ``correct`` fallback, each
+        verdict that finds an instance untrusted scales its replica's steps by the square
+        root of the measured / forecast ratio and scores it afresh, until it is trusted
+        again (the correction is kept then: it is what made it so)."""
+        check = self.forecast_check
+        change = check.observe(record)
+        instance_id = record.instance
+        if check.options.fallback == "correct" and not check.is_trusted(instance_id) \
+                and check.has_verdict(instance_id):
+            view = self.view.instances.get(instance_id)
+            if view is not None and view.replica is not None:
+                # Half the measured ratio, in log terms: a queue amplifies a step-time error
+                # in TTFT (2x steps measured 2.4-2.6x TTFT), and a full step overshot to
+                # forecasts twice too slow (docs/results/forecast-check.md).
+                view.replica.scale_latency(check.ratio(instance_id) ** CORRECTION_DAMPING)
+                check.restart(instance_id)
+        return change
+
+    def _trusted(self, candidates: list[InstanceView]) -> list[InstanceView]:
+        """With the ``exclude`` fallback: the trusted candidates, or all when none is."""
+        check = self.forecast_check
+        if check.options.fallback != "exclude" or not check.untrusted_ids:
+            return candidates
+        trusted = [view for view in candidates if check.is_trusted(view.instance_id)]
+        return trusted or candidates
+
     # --- placement ----------------------------------------------------------------------
 
     def place(self, requests: Sequence[Request], now_s: float, *, bus_now_s: float | None = None) -> list[Outcome]:
@@ -226,7 +265,7 @@ class DispatcherCore:
 
     def _place_one(self, request: Request, live: list[InstanceView], now_s: float, bus_now_s: float | None, *,
                    admit: bool = True) -> Outcome:
-        candidates = eligible_candidates(request, live) if live else []
+        candidates = self._trusted(eligible_candidates(request, live)) if live else []
         if not candidates:  # batch work waits for idle capacity; so does everything with no instance
             self.stats.num_held += 1
             return Held(request)

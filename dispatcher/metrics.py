@@ -17,6 +17,13 @@ Metrics (``policy`` is the placement policy's name):
   ``blockq_dispatcher_e2e_forecast_error_seconds{instance_id}`` (histograms): measured
   minus forecast, model-time seconds (negative: faster than forecast), from the ``done``
   records of requests answered ``ok`` that carry a forecast;
+- ``blockq_dispatcher_forecast_error_ratio{instance_id,signal}`` (gauge): the forecast
+  check's median absolute percentage error (a fraction: 0.25 = 25 %) over each
+  instance's latest answers, ``signal`` ``ttft`` or ``e2e``; and
+  ``blockq_dispatcher_instance_trusted{instance_id}`` (gauge): 1 while the instance's
+  replica is trusted, 0 once its error passed the bound (docs/dispatcher.md, "The
+  forecast check"). By instance: a fleet's instances are bounded, and the check forgets none
+  only while the process lives;
 - ``blockq_dispatcher_replica_rebuilds_total`` (counter): replicas rebuilt from a beat;
 - ``blockq_dispatcher_beats_rejected_total{reason}`` (counter): beats that changed
   nothing, by why: ``undecodable`` (refused at decoding), ``unusable`` (the view refused
@@ -97,8 +104,25 @@ class _CoreCollector(Collector):
                                 "(no instance may take them yet).", value=self.num_held())
         yield GaugeMetricFamily("blockq_dispatcher_leader", "1 while this dispatcher holds the leader lease.",
                                 value=1.0 if self.is_leading() else 0.0)
+        yield from self._forecast_check()
         yield GaugeMetricFamily("blockq_dispatcher_dead_letters", "Entries in the dead-letter stream (capped), "
                                 "as the leader last read it.", value=self.num_dead_letters())
+
+
+    def _forecast_check(self) -> Iterator[Metric]:
+        errors = GaugeMetricFamily("blockq_dispatcher_forecast_error_ratio", "Median absolute percentage error "
+                                   "(fraction) of the forecasts of each instance's latest answers, by signal.",
+                                   labels=["instance_id", "signal"])
+        trusted = GaugeMetricFamily("blockq_dispatcher_instance_trusted", "1 while the instance's replica is "
+                                    "trusted by the forecast check, 0 once its error passed the bound.",
+                                    labels=["instance_id"])
+        for instance_id, error in self.core.forecast_check.instance_errors().items():
+            for signal, value in (("ttft", error.ttft_mape), ("e2e", error.e2e_mape)):
+                if value is not None:
+                    errors.add_metric([instance_id, signal], value)
+            trusted.add_metric([instance_id], 1.0 if error.trusted else 0.0)
+        yield errors
+        yield trusted
 
 
 class DispatcherMetrics:
@@ -138,16 +162,19 @@ class DispatcherMetrics:
 
 
 class DoneFollower:
-    """Follows ``done`` (and the dead-letter stream's length) for the leader's metrics; see
-    the module docstring. ``poll`` is cheap when not due. A lost connection propagates to
+    """Follows ``done`` (and the dead-letter stream's length) for the leader's metrics and
+    forecast check; see the module docstring. ``poll`` is cheap when not due. A lost connection propagates to
     the caller's loop, which handles it like any other; a command Redis refuses is logged
     and skipped: metrics never stop placement."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, metrics: DispatcherMetrics, *,
-                 poll_s: float = DONE_POLL_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 poll_s: float = DONE_POLL_S, clock: Callable[[], float] = time.monotonic,
+                 on_record: Callable[[DoneRecord], None] | None = None) -> None:
+        """``on_record``: also given every record read (the dispatcher's forecast check)."""
         self.client = client
         self.keys = keys
         self.metrics = metrics
+        self.on_record = on_record
         self.poll_s = poll_s
         self.clock = clock
         self._cursor: str | None = None
@@ -194,7 +221,11 @@ class DoneFollower:
         try:
             if payload is None:
                 raise ValidationError("message", f"entry has no '{PAYLOAD_FIELD}' field")
-            self.metrics.record_done(DoneRecord.from_map(unpack_map(payload)))
+            record = DoneRecord.from_map(unpack_map(payload))
         except (ValidationError, TypeError) as exc:
             # Not ours to dead-letter: the predictor's feedback consumer owns done's garbage.
             log.debug("done_record_unreadable", error=str(exc))
+            return
+        self.metrics.record_done(record)
+        if self.on_record is not None:
+            self.on_record(record)

@@ -30,6 +30,7 @@ import numpy as np
 from blockq.engine_model import EngineConfig, StepLatencyModel, StepSample
 from blockq.engine_model.packed import PackedScheduler, RestoredRow
 from blockq.engine_model.packed_layout import FINISHED
+from blockq.forecast_check import scaled_latency_model
 from blockq.lengths import LengthBelief, belief_from_prediction, check_length_mode
 from blockq.wire.beats import Heartbeat, RequestProgress
 from blockq.wire.protocol import Request
@@ -95,6 +96,10 @@ class InstanceReplica:
         # more where the instance's beats measure more.
         self.min_delivery_s = self.delivery_s = delivery_s
         self.latency_model = latency_model
+        # Steps simulated this many times as long as the latency model says: set by the
+        # forecast check's ``correct`` fallback when answers are slower than forecast.
+        self.latency_factor = 1.0
+        self._scaled: tuple[StepLatencyModel, float, StepLatencyModel] | None = None
         # The instance's believed prefix cache: a new request is simulated without the
         # prompt tokens it would find cached there (None: no prefix caching).
         self.prefix_index = prefix_index
@@ -140,7 +145,7 @@ class InstanceReplica:
         # blocks once: the engine's count tells the replica how many its rows share.
         shares_blocks = self.prefix_index is not None and not beat.truncated
         scheduler = PackedScheduler.restored(
-            self.config, self.latency_model, state_at_s, self._restored_rows(beat.running),
+            self.config, self._simulated_latency_model(), state_at_s, self._restored_rows(beat.running),
             self._restored_rows(beat.waiting), spare_rows=SPARE_ROWS,
             engine_used_blocks=beat.num_used_blocks if shares_blocks else None)
         self.scheduler = scheduler
@@ -157,6 +162,18 @@ class InstanceReplica:
         the engine (:attr:`delivery_s`)."""
         self.now_s = self.model_time_s(now_wall_s)
         self.scheduler.simulate(until_s=self.model_time_s(now_wall_s + self.delivery_s))
+
+    def scale_latency(self, ratio: float) -> None:
+        """Simulate steps ``ratio`` times as long as now, from the next rebuild on."""
+        self.latency_factor *= ratio
+
+    def _simulated_latency_model(self) -> StepLatencyModel:
+        # Scaled once per (model, factor), not at every beat: a model builds a dense table.
+        cached = self._scaled
+        if cached is None or cached[0] is not self.latency_model or cached[1] != self.latency_factor:
+            cached = self._scaled = (self.latency_model, self.latency_factor,
+                                     scaled_latency_model(self.latency_model, self.latency_factor))
+        return cached[2]
 
     def remember(self, request: Request) -> None:
         """Keep the length belief of a request placed here (beats carry less than requests)."""

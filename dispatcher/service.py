@@ -54,10 +54,11 @@ import structlog
 from blockq.config import AutoscaleOptions, Settings
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.packed import warm_up as warm_up_packed_kernel
+from blockq.forecast_check import ForecastCheckOptions
 from blockq.wire.health import HealthPolicy
 from blockq.wire.keys import GROUP_DISPATCH, PAYLOAD_FIELD
 from blockq.wire.output import queue_final
-from blockq.wire.protocol import Request, ValidationError, decode_request, encode
+from blockq.wire.protocol import DoneRecord, Request, ValidationError, decode_request, encode
 from blockq.wire.streams import GroupConsumer, StreamEntry
 from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.autoscale.service import AutoscalingService, create_autoscaling
@@ -115,7 +116,7 @@ class Dispatcher:
         self.autoscaling: AutoscalingService | None = None  # set by create_dispatcher with autoscale
         self.metrics = DispatcherMetrics(core, num_held=lambda: len(self.unplaced),
                                          is_leading=lambda: self.lease.token is not None)
-        self.done_follower = DoneFollower(client, self.keys, self.metrics)
+        self.done_follower = DoneFollower(client, self.keys, self.metrics, on_record=self._check_forecast)
         # A step's share of re-placement: a sixth of the lease, renewed every third of it.
         self.replacer = QueueReplacer(client, settings, core, self.lease, record=self.metrics.record_placed,
                                       time_budget_s=self.options.lease_ms / 6000,
@@ -127,6 +128,14 @@ class Dispatcher:
         return GroupConsumer(self.client, self.keys.ready, GROUP_DISPATCH, self.dispatcher_id,
                              dead_letter_stream=self.keys.dead_letters, claim_idle_ms=self.settings.claim_idle_ms,
                              settings=self.settings)
+
+    def _check_forecast(self, record: DoneRecord) -> None:
+        """Score a ``done`` record's forecast; log each change of an instance's trust."""
+        change = self.core.observe_answer(record)
+        if change is not None:
+            log.warning("instance_untrusted" if not change.trusted else "instance_trusted_again",
+                        instance_id=change.instance_id, reason=change.reason, num_observed=change.num_observed,
+                        fallback=self.core.forecast_check.options.fallback)
 
     @property
     def view(self) -> ClusterView:
@@ -323,13 +332,15 @@ def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: s
                       seed: int | None = None, objective: str = DEFAULT_OBJECTIVE,
                       options: DispatcherOptions | None = None,
                       autoscale: AutoscaleOptions | None = None,
-                      prior_latency_model: StepLatencyModel | None = None) -> Dispatcher:
+                      prior_latency_model: StepLatencyModel | None = None,
+                      forecast_check: ForecastCheckOptions | None = None) -> Dispatcher:
     """A dispatcher whose core runs the named policy, timing decisions on the wall clock;
     with ``autoscale``, its leader also sizes the fleet (:mod:`dispatcher.autoscale.service`)
     against the cluster's TTFT objective (3 s when the cluster has none)."""
     options = options or DispatcherOptions()
     core = DispatcherCore(policy_name, seed=seed, objective=objective, timer=time.perf_counter,
                           slo_ttft_ms=settings.slo_ttft_ms or None, prior_latency_model=prior_latency_model,
+                          forecast_check=forecast_check,
                           health_policy=HealthPolicy(heartbeat_interval_s=settings.heartbeat_interval_ms / 1000,
                                                      dead_after_s=options.dead_after_s))
     dispatcher = Dispatcher(client, settings, core, dispatcher_id=dispatcher_id, options=options)

@@ -3,6 +3,7 @@ decisions as the Redis service, and ``blockq simulate`` end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -264,3 +265,20 @@ def test_a_trace_smaller_than_the_run_is_drawn_with_replacement(tmp_path: Path) 
     assert {r.prompt_tokens for r in drawn} <= {10, 11, 12, 13, 14}
     sample = annotate_sample(drawn, 1)
     assert sorted(index for _, index in arrivals_for(sample, rate_per_s=4.0)) == list(range(12))
+
+
+def test_slow_instances_take_factor_times_as_long_seen_or_hidden_from_their_step_timings() -> None:
+    """``slow_instances``: one instance, no noise and no delays, steps 2× as long in the
+    steps (the beats' step timings show it) or after them (``slow_hidden``: they do not);
+    either way every request's E2E is about 2× the nominal one's."""
+    base = SimulationConfig(instances=1, policy="round_robin", noise_sigma=0.0, ingress_delay_ms=0.0,
+                            queue_delay_ms=0.0, decision_delay_ms=0.0, heartbeat_delay_ms=0.0)
+    sample = _sample(5, seed=2)
+    runs = {name: simulate_run(config, sample, rate_per_s=0.2) for name, config in (
+        ("nominal", base), ("slow", dataclasses.replace(base, slow_instances=1)),
+        ("hidden", dataclasses.replace(base, slow_instances=1, slow_hidden=True)))}
+    e2e = {name: [r.e2e_ms for r in run.records] for name, run in runs.items()}
+    for name in ("slow", "hidden"):
+        for slow_ms, nominal_ms in zip(e2e[name], e2e["nominal"], strict=True):
+            assert slow_ms == pytest.approx(2 * nominal_ms, rel=0.05)
+    assert runs["slow"].summary["forecast_check"]["slow_instances"] == 1

@@ -5,7 +5,9 @@ Everything comes from Redis, read the way ``blockq status`` reads it
 
 - per instance (its latest heartbeat): state, KV blocks used (a bar), running / waiting
   requests, entries in its queue stream, emulator lag; and the TTFT (p50 / p99) of the
-  requests it finished in the last ``--window-s``;
+  requests it finished in the last ``--window-s``; on a line of its own, the worst median
+  TTFT forecast errors by instance (the forecast check, docs/dispatcher.md), the untrusted
+  ones marked;
 - predictor: the version that annotated the newest finished request, and that version's
   rolling error over the last ``--records`` finished requests it predicted (MAE tokens and
   Acc-50, as the predictor's feedback consumer defines them);
@@ -52,6 +54,7 @@ DEFAULT_INTERVAL_S = 1.0
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_NUM_RECORDS = 1000
 KV_BAR_WIDTH = 20
+MAX_FORECAST_CHECK_SHOWN = 6  # instances named on the forecast check's line, worst first
 STATE_TO_STYLE = {InstanceState.LIVE: "green", InstanceState.SUSPECT: "yellow", InstanceState.DEAD: "bold red",
                   InstanceState.DRAINING: "cyan", InstanceState.STOPPED: "dim", InstanceState.JOINING: "blue"}
 
@@ -102,6 +105,8 @@ class InstanceRow:
     num_queued: int
     lag_p99_ms: float
     recent: LatencySummary
+    # The forecast check's figures (blockq status's ``forecast_error``; None: no record).
+    forecast_error: dict[str, Any] | None = None
 
     @property
     def kv_used_fraction(self) -> float | None:
@@ -230,7 +235,8 @@ def build_view(sample: TopSample, previous: TopSample | None = None, *,
         instance_id=i["id"], state=i["state"], heartbeat_age_ms=i["last_heartbeat_age_ms"],
         kv_used_blocks=i["kv_used_blocks"], kv_total_blocks=i["kv_total_blocks"], num_running=i["running"],
         num_waiting=i["waiting"], num_queued=i["queue"], lag_p99_ms=i["lag_p99_ms"],
-        recent=latency_summary([r for r in recent if r.instance == i["id"]])) for i in sample.status["instances"])
+        recent=latency_summary([r for r in recent if r.instance == i["id"]]),
+        forecast_error=i.get("forecast_error")) for i in sample.status["instances"])
     forecast_errors_ms = [r.predicted_ttft_ms - r.ttft_ms for r in recent
                           if r.status == "ok" and r.predicted_ttft_ms is not None and r.ttft_ms is not None]
     decisions_per_s, counted_by = _decisions_per_s(sample, previous)
@@ -286,6 +292,23 @@ def _instances_table(view: TopView) -> Table:
     return table
 
 
+def _forecast_check_line(view: TopView) -> Text:
+    """Per instance, the median TTFT forecast error (the forecast check), worst first; the
+    untrusted ones in red."""
+    scored = sorted(((row.forecast_error["ttft_mape"], row.instance_id, row.forecast_error.get("trusted", True))
+                     for row in view.instances if row.forecast_error and row.forecast_error.get("ttft_mape") is not None),
+                    reverse=True)
+    line = Text("forecasts   median TTFT error by instance: ")
+    if not scored:
+        return line.append("—")
+    for index, (error, instance_id, trusted) in enumerate(scored[:MAX_FORECAST_CHECK_SHOWN]):
+        line.append((", " if index else "") + f"{instance_id} {100 * error:.0f}%"
+                    + ("" if trusted else " untrusted"), style="default" if trusted else "bold red")
+    if len(scored) > MAX_FORECAST_CHECK_SHOWN:
+        line.append(f", … ({len(scored)} instances)")
+    return line
+
+
 def _summary_lines(view: TopView) -> list[Text]:
     dispatcher, predictor = view.dispatcher, view.predictor
     lease = f" (lease {dispatcher.lease_ttl_ms / 1000:.1f} s left)" if dispatcher.lease_ttl_ms is not None else ""
@@ -298,6 +321,7 @@ def _summary_lines(view: TopView) -> list[Text]:
              f"finished {dispatcher.completions_per_s:,.2f}/s"),
         Text(f"latency     TTFT forecast error {_ms(dispatcher.ttft_forecast_error_ms)} ms (predicted - measured)  "
              f"TPOT mean {_ms(view.recent.tpot_mean_ms)} ms  (last {view.window_s:g} s)"),
+        _forecast_check_line(view),
     ]
     if predictor.version is None:
         lines.append(Text("predictor   no scored requests yet"))

@@ -52,6 +52,9 @@ class ClusterResult:
     counters: dict[str, int] = field(default_factory=dict)
     delivery_samples_ms: list[float] = field(default_factory=list)  # the beats' delivery p90s
     num_missed: int = 0     # answers that missed the TTFT objective (or were not ``ok``)
+    # The forecast check's changes of trust, in order: instance, trusted, when (model s
+    # from the first request), the instance's answers scored and the fleet's answers then.
+    trust_changes: list[dict[str, Any]] = field(default_factory=list)
     aborted: bool = False   # stopped early: more than ``abort_after_misses`` missed
 
 
@@ -65,7 +68,7 @@ class ClusterSimulation:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.core = DispatcherCore(config.policy, seed=config.seed, objective=config.objective,
-                                   slo_ttft_ms=config.slo_ttft_ms)
+                                   slo_ttft_ms=config.slo_ttft_ms, forecast_check=config.forecast_check)
         self._rng = random.Random(config.seed)
         self._worker_options = WorkerOptions(bundle_size=config.bundle_size, idle_poll_ms=int(config.idle_poll_ms))
         self.instances: dict[str, SimulatedInstance] = {}
@@ -88,8 +91,13 @@ class ClusterSimulation:
                                         time_scale=config.time_scale, seed=self._rng.randrange(2**31),
                                         config_overrides=overrides)
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instance's wall clock
+        # The last slow_instances of the first fleet are slow (not gpu0: a long-prompt lane).
+        index = len(self.instances)
+        slow = config.instances - config.slow_instances <= index < config.instances
         instance = self.instances[instance_id] = SimulatedInstance.create(
-            instance_id, options, self._worker_options, clock, self.refinements)
+            instance_id, options, self._worker_options, clock, self.refinements,
+            slow_factor=config.slow_factor if slow else 1.0, slow_published=config.slow_published,
+            slow_hidden=config.slow_hidden)
         # Beats start at a random phase, as independently started workers do.
         self._push(up_at_s + self._rng.random() * config.heartbeat_ms / 1000, _BEAT, instance_id)
         return instance
@@ -145,6 +153,14 @@ class ClusterSimulation:
         if final.request_id in self.result.finals:  # the simulation's own invariant: one answer each
             raise RuntimeError(f"{final.request_id}: answered twice")
         self.result.finals[final.request_id] = final
+        # The live dispatcher scores done records as it reads them (within a second).
+        change = self.core.observe_answer(final)
+        if change is not None:
+            self.result.trust_changes.append({
+                "instance": change.instance_id, "trusted": change.trusted,
+                "at_s": round((self.now_s - self.config.warmup_s) / self.config.time_scale, 3),
+                "num_observed": change.num_observed, "num_answered": len(self.result.finals),
+                "ttft_mape": change.ttft_mape, "e2e_mape": change.e2e_mape})
         if final.status != "ok" or final.ttft_ms is None or final.ttft_ms > self.config.slo_ttft_ms:
             self.result.num_missed += 1
 

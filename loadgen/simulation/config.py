@@ -12,8 +12,9 @@ its parts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from blockq.forecast_check import ForecastCheckOptions
 from dispatcher.policies import policy_spec
 from dispatcher.what_if import DEFAULT_OBJECTIVE, OBJECTIVES
 
@@ -49,6 +50,13 @@ class SimulationConfig:
     ``best_effort`` (served however late: none is answered ``infeasible``).
     ``prefix_caching``: every instance's engine reuses cached prompt prefixes (as
     ``blockq worker --prefix-caching``), and the summary reports ``prefix_hit_rate``.
+    ``slow_instances``: the last this many instances run every step ``slow_factor`` times
+    as long as their published profile says (a degraded GPU); ``slow_published``: they
+    publish the slowed profile instead (the dispatcher's replicas know the truth);
+    ``slow_hidden``: the time is lost after each step (a starved host) instead of in it, so
+    the step timings the replicas refit from do not show it.
+    ``forecast_check``: the dispatcher's per-instance forecast check and its fallback
+    (:mod:`blockq.forecast_check`).
     """
 
     instances: int = 12
@@ -72,6 +80,11 @@ class SimulationConfig:
     best_effort: bool = False
     time_scale: float = 1.0
     prefix_caching: bool = False
+    slow_instances: int = 0
+    slow_factor: float = 2.0
+    slow_published: bool = False
+    slow_hidden: bool = False
+    forecast_check: ForecastCheckOptions = field(default_factory=ForecastCheckOptions)
 
     def __post_init__(self) -> None:
         policy_spec(self.policy)  # ValueError naming the valid policies
@@ -94,6 +107,10 @@ class SimulationConfig:
             raise ValueError(f"ingress_delay_sigma: must be in [0, 5] (got {self.ingress_delay_sigma})")
         if not 0 <= self.noise_sigma <= 1:
             raise ValueError(f"noise_sigma: must be in [0, 1] (got {self.noise_sigma})")
+        if not 0 <= self.slow_instances <= self.instances:
+            raise ValueError(f"slow_instances: must be in [0, instances] (got {self.slow_instances})")
+        if not 0 < self.slow_factor <= 100:
+            raise ValueError(f"slow_factor: must be in (0, 100] (got {self.slow_factor})")
 
     @property
     def decision_s(self) -> float:

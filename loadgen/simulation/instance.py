@@ -23,8 +23,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from blockq.engine_model import StepResult
+from blockq.forecast_check import scaled_latency_model
 from blockq.wire.beats import Heartbeat
 from blockq.wire.health import InstanceState
 from blockq.wire.protocol import FinalRecord, Request
@@ -63,6 +65,7 @@ class SimulatedInstance:
     beats: HeartbeatBuilder = field(init=False)
     max_in_flight: int = field(init=False)
     refinements: RefinementSource | None = None  # what its beats report of running requests' lengths
+    hidden_slow_factor: float = 1.0        # each step ends this many times its time late (create's slow_hidden)
     _step: StepResult | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,9 +74,20 @@ class SimulatedInstance:
 
     @classmethod
     def create(cls, instance_id: str, engine_options: EmulatedEngineOptions, worker_options: WorkerOptions,
-               clock: Callable[[], float], refinements: RefinementSource | None = None) -> SimulatedInstance:
-        return cls(instance_id, EmulatedEngine(engine_options, clock=clock), worker_options, clock,
-                   refinements=refinements)
+               clock: Callable[[], float], refinements: RefinementSource | None = None, *,
+               slow_factor: float = 1.0, slow_published: bool = False,
+               slow_hidden: bool = False) -> SimulatedInstance:
+        """``slow_factor``: every step takes that many times the preset's time (noise
+        included); ``slow_published``: the engine publishes the slowed profile too (else the
+        preset's, as a degraded GPU whose profile was measured when it was healthy);
+        ``slow_hidden``: the time is lost after each step instead (a starved host): the
+        steps' timings, which the dispatcher refits its replica from, stay the profile's."""
+        engine = EmulatedEngine(engine_options, clock=clock)
+        if slow_factor != 1.0 and not slow_hidden:
+            _slow_down(engine, slow_factor, slow_published)
+        instance = cls(instance_id, engine, worker_options, clock, refinements=refinements)
+        instance.hidden_slow_factor = slow_factor if slow_hidden else 1.0
+        return instance
 
     # --- intake -------------------------------------------------------------------------
 
@@ -135,7 +149,12 @@ class SimulatedInstance:
         self.stepping = True
         self._step = result
         self.counters.num_steps += 1
-        return self.engine.step_end_wall_s(result)
+        end_s = self.engine.step_end_wall_s(result)
+        if self.hidden_slow_factor != 1.0:
+            # The engine wakes that late: its clock moves on at the end (finish_step).
+            now_s = self.clock()
+            end_s = now_s + (end_s - now_s) * self.hidden_slow_factor
+        return end_s
 
     def finish_step(self, now_s: float) -> list[FinalRecord]:
         """End the step under way: tokens to their requests; the final records of the
@@ -165,3 +184,26 @@ class SimulatedInstance:
     def is_idle(self) -> bool:
         """Nothing in the engine and no step under way (queued requests aside)."""
         return not self.stepping and not self.in_flight and not self.engine.has_unfinished_requests()
+
+
+class _Slowed:
+    """A step-latency source whose every step takes ``factor`` times ``base``'s."""
+
+    def __init__(self, base: Any, factor: float) -> None:
+        self.base = base
+        self.factor = factor
+
+    def step_seconds(self, *batch: int | None) -> float:
+        return self.base.step_seconds(*batch) * self.factor
+
+
+def _slow_down(engine: EmulatedEngine, factor: float, published: bool) -> None:
+    """Make ``engine``'s steps ``factor`` times as long; with ``published``, its beats
+    carry the slowed profile (and its step-end estimates use it). The emulated engine has
+    no option for this (a live worker has no reason to lie about its profile), so the
+    simulation sets it on the engine it built."""
+    engine.scheduler.latency_model = _Slowed(engine.scheduler.latency_model, factor)
+    if published:
+        true_model = scaled_latency_model(engine.base_latency_model, factor)
+        engine.base_latency_model = true_model
+        engine._latency_dict = true_model.to_dict()  # what latency_model() hands the beats

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockq.engine_model import get_preset
+from blockq.forecast_check import ForecastCheckOptions
 from dispatcher.policies import policy_spec
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 from loadgen.progress import ProgressBar
@@ -76,7 +77,12 @@ class Plan:
             ingress_delay_sigma=args.ingress_delay_sigma,
             queue_delay_ms=args.queue_delay_ms, noise_sigma=args.noise, slo_ttft_ms=args.slo_ttft_ms,
             step_lag_ms=args.step_lag_ms, time_scale=args.time_scale, best_effort=args.best_effort,
-            prefix_caching=args.prefix_caching)
+            prefix_caching=args.prefix_caching, slow_instances=args.slow_instances[0],
+            slow_factor=args.slow_instances[1], slow_published=args.slow_published,
+            slow_hidden=args.slow_hidden,
+            forecast_check=ForecastCheckOptions(window=args.forecast_window, bound=args.forecast_bound,
+                                                min_samples=min(args.forecast_window, args.forecast_min_samples),
+                                                signal=args.forecast_signal, fallback=args.forecast_fallback))
 
     def sample(self, seed: int, mae_tokens: float | None) -> AnnotatedSample:
         if mae_tokens is None:

@@ -61,6 +61,7 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
                    seed=sample.seed, time_scale=config.time_scale, mode="simulated", events=result.counters["events"],
                    steps=result.counters["steps"], beats_rejected=result.counters["beats_rejected"],
                    **_prefix_hit_rates(config, result.counters, simulation, [r for _, r in arrivals]))
+    summary["forecast_check"] = _forecast_check(config, simulation, result.trust_changes)
     return SimulatedRun(summary, records, result.kv_samples)
 
 
@@ -74,3 +75,15 @@ def _prefix_hit_rates(config: SimulationConfig, counters: dict[str, int], simula
     return {"prefix_hit_rate": counters["prefix_cache_hits_tokens"] / num_queried_tokens if num_queried_tokens else None,
             "prefix_hit_rate_predicted": predicted_prefix_hit_rate(simulation.core.stats),
             "prefix_hit_rate_ideal": ideal_prefix_hit_rate(requests_in_arrival_order)}
+
+
+def _forecast_check(config: SimulationConfig, simulation: ClusterSimulation,
+                    trust_changes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The forecast check's setting, its changes of trust and every instance's final
+    figures (:class:`blockq.forecast_check.InstanceError`)."""
+    check = simulation.core.forecast_check
+    options = check.options
+    return {"fallback": options.fallback, "window": options.window, "bound": options.bound,
+            "signal": options.signal, "slow_instances": config.slow_instances, "slow_factor": config.slow_factor,
+            "slow_published": config.slow_published, "slow_hidden": config.slow_hidden, "changes": trust_changes,
+            "instances": {i: e.to_dict() for i, e in check.instance_errors().items()}}
