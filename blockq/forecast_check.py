@@ -16,6 +16,7 @@ see docs/dispatcher.md, "The forecast check".
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -259,3 +260,29 @@ def _rounded(value: float | None) -> float | None:
 
 def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0%}"
+
+
+def add_forecast_check_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The forecast check's options, the same for ``blockq dispatcher`` and ``blockq
+    simulate`` (read back by :func:`forecast_check_options_from_args`)."""
+    defaults = ForecastCheckOptions()
+    parser.add_argument("--forecast-fallback", choices=FALLBACKS, default=defaults.fallback,
+                        help="what to do with an instance whose forecasts are off: none (report only), exclude "
+                             "(place there only when every instance is untrusted), correct (scale its replica's "
+                             "steps by the square root of measured / forecast)")
+    parser.add_argument("--forecast-window", type=int, default=defaults.window,
+                        help="answered requests per instance the median error is taken over")
+    parser.add_argument("--forecast-min-samples", type=int, default=defaults.min_samples,
+                        help="answers of an instance before its first verdict (at most --forecast-window)")
+    parser.add_argument("--forecast-bound", type=float, default=defaults.bound,
+                        help="median absolute percentage error (fraction, 0.25 = 25 %%) past which an instance "
+                             "is untrusted; trusted again under the bound times 0.8")
+    parser.add_argument("--forecast-signal", choices=SIGNALS, default=defaults.signal,
+                        help="which error decides: ttft, e2e (holds the length prediction's error too), max")
+
+
+def forecast_check_options_from_args(args: argparse.Namespace) -> ForecastCheckOptions:
+    return ForecastCheckOptions(window=args.forecast_window,
+                                min_samples=min(args.forecast_min_samples, args.forecast_window),
+                                bound=args.forecast_bound, signal=args.forecast_signal,
+                                fallback=args.forecast_fallback)

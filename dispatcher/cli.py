@@ -7,7 +7,7 @@ import asyncio
 
 from blockq.config import LIVE_SCALERS, AutoscaleOptions, add_scaling_options
 from blockq.engine_model.measured_profile import load_profile
-from blockq.forecast_check import FALLBACKS, SIGNALS, ForecastCheckOptions
+from blockq.forecast_check import add_forecast_check_arguments, forecast_check_options_from_args
 from blockq.runtime.metrics_server import (
     add_metrics_arguments,
     metrics_endpoint_from_args,
@@ -36,36 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "instances that publish none")
     parser.add_argument("--dead-after-s", type=float, default=5.0,
                         help="seconds without a heartbeat before an instance is dead and its queue re-placed")
-    add_forecast_check_arguments(parser)
+    add_forecast_check_arguments(parser.add_argument_group("forecast check (docs/dispatcher.md)"))
     # One server for the dispatcher's metrics and, with --autoscale, the autoscaler's.
     add_metrics_arguments(parser)
     add_autoscale_arguments(parser)
-
-
-def add_forecast_check_arguments(parser: argparse.ArgumentParser) -> None:
-    """The forecast check (:class:`blockq.forecast_check.ForecastCheckOptions`)."""
-    group = parser.add_argument_group("forecast check (docs/dispatcher.md)")
-    defaults = ForecastCheckOptions()
-    group.add_argument("--forecast-fallback", choices=FALLBACKS, default=defaults.fallback,
-                       help="what to do with an instance whose forecasts are off: none (report only), exclude "
-                            "(place there only when every instance is), correct (scale its replica's steps by "
-                            "measured / forecast)")
-    group.add_argument("--forecast-window", type=int, default=defaults.window,
-                       help="answered requests per instance the median error is taken over")
-    group.add_argument("--forecast-min-samples", type=int, default=defaults.min_samples,
-                       help="answers of an instance before its first verdict")
-    group.add_argument("--forecast-bound", type=float, default=defaults.bound,
-                       help="median absolute percentage error (fraction, 0.25 = 25 %%) past which an instance "
-                            "is untrusted; trusted again under the bound times 0.8")
-    group.add_argument("--forecast-signal", choices=SIGNALS, default=defaults.signal,
-                       help="which error decides: ttft, e2e (holds the length prediction's error too), max")
-
-
-def forecast_check_options(args: argparse.Namespace) -> ForecastCheckOptions:
-    return ForecastCheckOptions(window=args.forecast_window, min_samples=min(args.forecast_min_samples,
-                                                                             args.forecast_window),
-                                bound=args.forecast_bound, signal=args.forecast_signal,
-                                fallback=args.forecast_fallback)
 
 
 def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     autoscale = autoscale_options(args)  # validated before anything starts
     prior = load_profile(args.profile).latency_model if args.profile else None
-    forecast_check = forecast_check_options(args)  # validated before anything starts
+    forecast_check = forecast_check_options_from_args(args)  # validated before anything starts
     metrics = metrics_endpoint_from_args(args)
 
     async def main(stop: asyncio.Event) -> None:

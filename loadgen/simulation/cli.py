@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from blockq.forecast_check import FALLBACKS, SIGNALS, ForecastCheckOptions
+from blockq.forecast_check import add_forecast_check_arguments
 from loadgen.cli import add_bench_arguments, print_results
 from loadgen.plots import run_key
 from loadgen.report import write_report
@@ -84,12 +84,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--best-effort", action="store_true",
                         help="serve every request however late: no 'infeasible' answers past the SLO")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    _add_forecast_check_arguments(parser)
+    _add_slow_instance_arguments(parser)
     add_autoscale_arguments(parser)
 
 
-def _add_forecast_check_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = ForecastCheckOptions()
+def _add_slow_instance_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-instances", type=_slow_instances, default=(0, 2.0), metavar="K[:FACTOR]",
                         help="the last K instances run every step FACTOR times (default 2) as long as the profile "
                              "they publish, which the dispatcher's replicas start from")
@@ -98,19 +97,7 @@ def _add_forecast_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-hidden", action="store_true",
                         help="the slow instances lose the time after each step (a starved host), not in it: the "
                              "step timings their beats report, which replicas refit from, stay nominal")
-    parser.add_argument("--forecast-fallback", choices=FALLBACKS, default=defaults.fallback,
-                        help="what the dispatcher does with an instance whose forecasts are off: none (report only), "
-                             "exclude (place there only when every instance is untrusted), correct (scale its "
-                             "replica's steps by measured / forecast)")
-    parser.add_argument("--forecast-window", type=int, default=defaults.window,
-                        help="answered requests per instance the forecast error's median is taken over")
-    parser.add_argument("--forecast-signal", choices=SIGNALS, default=defaults.signal,
-                        help="which forecast error decides trust: ttft, e2e (also holds the length prediction's "
-                             "error) or the larger")
-    parser.add_argument("--forecast-min-samples", type=int, default=defaults.min_samples,
-                        help="answers of an instance before its first verdict (at most --forecast-window)")
-    parser.add_argument("--forecast-bound", type=float, default=defaults.bound,
-                        help="median absolute percentage error (fraction) past which an instance is untrusted")
+    add_forecast_check_arguments(parser)
 
 
 def run_simulate_command(args: argparse.Namespace) -> int:

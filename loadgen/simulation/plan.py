@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockq.engine_model import get_preset
-from blockq.forecast_check import ForecastCheckOptions
+from blockq.forecast_check import forecast_check_options_from_args
 from dispatcher.policies import policy_spec
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 from loadgen.progress import ProgressBar
@@ -80,9 +80,7 @@ class Plan:
             prefix_caching=args.prefix_caching, slow_instances=args.slow_instances[0],
             slow_factor=args.slow_instances[1], slow_published=args.slow_published,
             slow_hidden=args.slow_hidden,
-            forecast_check=ForecastCheckOptions(window=args.forecast_window, bound=args.forecast_bound,
-                                                min_samples=min(args.forecast_window, args.forecast_min_samples),
-                                                signal=args.forecast_signal, fallback=args.forecast_fallback))
+            forecast_check=forecast_check_options_from_args(args))
 
     def sample(self, seed: int, mae_tokens: float | None) -> AnnotatedSample:
         if mae_tokens is None:
