@@ -73,6 +73,11 @@ def validate_redis_url(url: str, key_prefix: str | None = None) -> str:
     return url
 
 
+# The predictor's HTTP API token (``/predict``, ``/refine``): the predictor requires it, the
+# workers that ask it for refinements send it; both read it from this variable.
+PREDICTOR_HTTP_TOKEN_ENV = "BLOCKQ_PREDICTOR_HTTP_TOKEN"
+
+
 @dataclass(frozen=True)
 class Settings:
     """Settings shared by every blockq component."""

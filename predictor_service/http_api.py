@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
+from blockq.config import PREDICTOR_HTTP_TOKEN_ENV
 from blockq.runtime.metrics_server import metrics_response
 from blockq.text.tokenizer import TokenCounter
 from blockq.wire.protocol import DEFAULT_LIMITS, ProtocolLimits
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _KNOWN_FIELDS = frozenset({"prompt", "prompts", "max_tokens", "num_turns"})
-TOKEN_ENV = "BLOCKQ_PREDICTOR_HTTP_TOKEN"
+TOKEN_ENV = PREDICTOR_HTTP_TOKEN_ENV
 MIN_TOKEN_CHARS = 16
 # Probes and scrapers carry no token, and are never turned away under load: neither
 # reaches the model, and a probe refused under load would restart a busy pod.

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 import redis
 from aiohttp.test_utils import TestClient, TestServer
@@ -25,7 +26,7 @@ from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.precomputed_refinements import refine_sample
 from loadgen.simulation.single_run import simulate_run
 from loadgen.simulation.workload import annotate_sample, sample_trace
-from predictor_service.http_api import create_app
+from predictor_service.http_api import HttpAccessOptions, create_app
 from predictor_service.models import load_predictor
 from predictor_service.models.fast import FastConfig
 from predictor_service.models.refine import RefineInput, RefineModel
@@ -40,6 +41,7 @@ from tests.predictor_synthetic import write_sharegpt
 from workers.engines.base import EngineRequestSpec
 from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 from workers.heartbeat import HeartbeatBuilder
+from workers.refine_client import RefinementClient
 from workers.refinement import (
     RefinedLength,
     RefinementBook,
@@ -261,6 +263,25 @@ async def test_a_worker_asks_for_refinements_and_its_beats_carry_them(
     stop.set()
     await task
     await client.aclose()
+
+
+@pytest.mark.usefixtures("stdlib_logging")
+async def test_a_worker_sends_the_predictors_token_with_its_refine_calls(
+        list_models: tuple[Path, Path, Path]) -> None:
+    """A predictor with a bearer token refuses /refine without it (401): the worker's client
+    sends the token it was given, and without one its calls fail and are counted."""
+    _, fast_dir, refine_dir = list_models
+    token = "refine-token-0123456789"
+    app = create_app(StaticSlot(load_predictor("fast", str(fast_dir))), get_token_counter(),
+                     access=HttpAccessOptions(bearer_token=token))
+    add_refine_route(app, RefineModel.load(refine_dir))
+    async with TestServer(app) as server:
+        for sent, num_refined, num_failed in ((token, 1, 0), (None, 0, 1)):
+            book = RefinementBook(32)
+            client = RefinementClient(str(server.make_url("")), book, token=sent)
+            async with aiohttp.ClientSession() as session:
+                assert await client._send(session, [_refine_item()]) is (num_failed == 0)
+            assert (client.stats.num_refined, client.stats.num_failed_calls) == (num_refined, num_failed)
 
 
 def test_the_emulated_engine_streams_a_replayed_answer_token_by_token() -> None:

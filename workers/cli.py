@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import structlog
 
-from blockq.config import DEFAULT_REFINE_EVERY_TOKENS
+from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, PREDICTOR_HTTP_TOKEN_ENV
 from blockq.engine_model.measured_profile import load_profile
 from blockq.local.cluster_config import WILL_NOT_START_EXIT_CODE, WILL_NOT_START_MARKER
 from blockq.runtime.metrics_server import (
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         client = connect_async(settings.redis_url, max_connections=64 * len(ids))
         options = WorkerOptions(bundle_size=args.bundle_size, stream_interval_ms=args.stream_interval_ms,
                                 refine_url=args.refine_url,
+                                refine_token=os.environ.get(PREDICTOR_HTTP_TOKEN_ENV) or None,
                                 refine_every_tokens=args.refine_every_tokens)
         metrics = WorkerMetrics()
         workers = [InstanceWorker(client, settings, instance_id, build_engine(args, i), options, metrics)

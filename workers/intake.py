@@ -26,6 +26,8 @@ class WorkerOptions:
     idle_poll_ms: int = 50
     refine_url: str | None = None
     refine_every_tokens: int = DEFAULT_REFINE_EVERY_TOKENS
+    # the predictor's bearer token (env BLOCKQ_PREDICTOR_HTTP_TOKEN), sent with each /refine call
+    refine_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.bundle_size < 1:

@@ -43,8 +43,10 @@ class RefineStats:
 class RefinementClient:
     """Queues refinement inputs and sends them to ``{url}/refine`` in batches."""
 
-    def __init__(self, url: str, book: RefinementBook, *, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, book: RefinementBook, *, timeout_s: float = 2.0, token: str | None = None) -> None:
         self.url = url.rstrip("/") + "/refine"
+        # the predictor's bearer token when its HTTP API requires one
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.book = book
         self.timeout_s = timeout_s
         self.stats = RefineStats()
@@ -96,7 +98,7 @@ class RefinementClient:
     async def _send(self, session: aiohttp.ClientSession, batch: list[dict[str, Any]]) -> bool:
         self.stats.num_asked += len(batch)
         try:
-            async with session.post(self.url, json={"requests": batch}) as response:
+            async with session.post(self.url, json={"requests": batch}, headers=self._headers) as response:
                 body = await response.json()
                 if response.status != 200:
                     raise RuntimeError(f"HTTP {response.status}: {body.get('error')}")

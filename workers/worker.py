@@ -87,7 +87,8 @@ class InstanceWorker(Answering):
                                       claim_idle_ms=settings.claim_idle_ms, claim_stale=False,
                                       settings=settings)
         self.replies = ReplyWriter(settings, instance_id, engine.time_scale)
-        self.refiner = (RefinementClient(self.options.refine_url, RefinementBook(self.options.refine_every_tokens))
+        self.refiner = (RefinementClient(self.options.refine_url, RefinementBook(self.options.refine_every_tokens),
+                                         token=self.options.refine_token)
                         if self.options.refine_url else None)
         self.beats = HeartbeatBuilder(instance_id, engine, clock=time.time,
                                       refinements=self.refiner.book if self.refiner else None)
