@@ -25,15 +25,15 @@ from typing import Protocol
 
 from blockq.engine_model.latency import StepLatencyModel
 
-# Which error decides trust: TTFT (the default), E2E or the larger of the two. E2E also
-# holds the length prediction's error (the forecast simulates the predicted length), which
-# is not the replica's: on the paper's trace, healthy instances showed E2E errors of
-# 5-55 % and TTFT errors of 3-7 % (docs/results/forecast-check.md).
-SIGNALS = ("ttft", "e2e", "max")
-# What the dispatcher does with an untrusted instance: nothing but report it; place on it
-# only when every candidate is untrusted; or scale its replica's latency model by the
-# measured / forecast ratio while it is untrusted.
-FALLBACKS = ("none", "exclude", "correct")
+# TTFT's error decides trust; E2E's is reported only. E2E also holds the length
+# prediction's error (the forecast simulates the predicted length), which is not the
+# replica's: on the paper's trace, healthy instances showed E2E errors of 5-55 % and TTFT
+# errors of 3-7 %, and E2E deciding marked every healthy instance untrusted at some point
+# (docs/results/forecast-check.md).
+# What the dispatcher does with an untrusted instance: nothing but report it, or scale its
+# replica's latency model by the measured / forecast ratio while it is untrusted.
+# (Excluding untrusted instances was measured and not kept: docs/decisions/placement.md.)
+FALLBACKS = ("none", "correct")
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,13 @@ class ForecastCheckOptions:
     ``min_samples``: fewer than this and the instance keeps its state (no verdict yet);
     ``bound``: median absolute percentage error (a fraction: 0.25 = 25 %) past which an
     instance is untrusted; ``recover_fraction``: trusted again under ``bound`` times this;
-    ``signal``: which error decides (:data:`SIGNALS`); ``fallback``: what the dispatcher
+    ``fallback``: what the dispatcher
     does with an untrusted instance (:data:`FALLBACKS`)."""
 
     window: int = 50
     min_samples: int = 20
     bound: float = 0.25
     recover_fraction: float = 0.8
-    signal: str = "ttft"
     fallback: str = "correct"
 
     def __post_init__(self) -> None:
@@ -60,8 +59,6 @@ class ForecastCheckOptions:
             raise ValueError(f"bound: must be > 0 (got {self.bound})")
         if not 0 < self.recover_fraction <= 1:
             raise ValueError(f"recover_fraction: must be in (0, 1] (got {self.recover_fraction})")
-        if self.signal not in SIGNALS:
-            raise ValueError(f"signal: must be one of {', '.join(SIGNALS)} (got {self.signal!r})")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback: must be one of {', '.join(FALLBACKS)} (got {self.fallback!r})")
 
@@ -100,7 +97,7 @@ class TrustChange:
 @dataclass(frozen=True)
 class InstanceError:
     """One instance's figures: median absolute percentage errors (fractions; None: no
-    record yet), the median measured / forecast ratio of the deciding signal
+    record yet), the median measured / forecast TTFT ratio
     (:meth:`ForecastCheck.ratio`), records in the window, records observed in all, and
     whether its replica is trusted."""
 
@@ -122,7 +119,6 @@ class _Window:
     ttft: deque[float]
     e2e: deque[float]
     ttft_ratio: deque[float]
-    e2e_ratio: deque[float]
     num_observed: int = 0
     trusted: bool = True
 
@@ -145,7 +141,6 @@ class ForecastCheck:
             return None
         window = self._window(record.instance)
         window.e2e.append(e2e_ape)
-        window.e2e_ratio.append(record.e2e_ms / record.predicted_e2e_ms)  # type: ignore[operator]
         ttft_ape = _ape(record.predicted_ttft_ms, record.ttft_ms)
         if ttft_ape is not None:
             window.ttft.append(ttft_ape)
@@ -157,7 +152,7 @@ class ForecastCheck:
         window = self._windows.get(instance_id)
         if window is None:
             size = self.options.window
-            window = self._windows[instance_id] = _Window(*(deque(maxlen=size) for _ in range(4)))
+            window = self._windows[instance_id] = _Window(*(deque(maxlen=size) for _ in range(3)))
         return window
 
     def _judge(self, instance_id: str, window: _Window) -> TrustChange | None:
@@ -165,7 +160,7 @@ class ForecastCheck:
         if len(window.e2e) < options.min_samples:
             return None
         ttft, e2e = _median(window.ttft), _median(window.e2e)
-        error = {"e2e": e2e, "ttft": ttft, "max": max(e2e or 0.0, ttft or 0.0)}[options.signal]
+        error = ttft
         if error is None:
             return None
         if window.trusted and error > options.bound:
@@ -185,12 +180,12 @@ class ForecastCheck:
         return frozenset(i for i, window in self._windows.items() if not window.trusted)
 
     def ratio(self, instance_id: str) -> float:
-        """Median measured / forecast over the window, of the signal that decides trust
-        (TTFT for ``ttft``, else E2E); 1.0 with no record."""
+        """Median measured / forecast TTFT over the window (the error that decides
+        trust); 1.0 with no record."""
         window = self._windows.get(instance_id)
         if window is None:
             return 1.0
-        ratio = _median(window.ttft_ratio if self.options.signal == "ttft" else window.e2e_ratio)
+        ratio = _median(window.ttft_ratio)
         return 1.0 if ratio is None else ratio
 
     def instance_error(self, instance_id: str) -> InstanceError:
@@ -213,7 +208,7 @@ class ForecastCheck:
         window were forecast by the replica before), keeping its trust and its count."""
         window = self._windows.get(instance_id)
         if window is not None:
-            for values in (window.ttft, window.e2e, window.ttft_ratio, window.e2e_ratio):
+            for values in (window.ttft, window.e2e, window.ttft_ratio):
                 values.clear()
 
     def forget(self, instance_id: str) -> None:
@@ -267,9 +262,8 @@ def add_forecast_check_arguments(parser: argparse.ArgumentParser | argparse._Arg
     simulate`` (read back by :func:`forecast_check_options_from_args`)."""
     defaults = ForecastCheckOptions()
     parser.add_argument("--forecast-fallback", choices=FALLBACKS, default=defaults.fallback,
-                        help="what to do with an instance whose forecasts are off: none (report only), exclude "
-                             "(place there only when every instance is untrusted), correct (scale its replica's "
-                             "steps by the square root of measured / forecast)")
+                        help="what to do with an instance whose TTFT forecasts are off: none (report only), "
+                             "correct (scale its replica's steps by the square root of measured / forecast)")
     parser.add_argument("--forecast-window", type=int, default=defaults.window,
                         help="answered requests per instance the median error is taken over")
     parser.add_argument("--forecast-min-samples", type=int, default=defaults.min_samples,
@@ -277,12 +271,9 @@ def add_forecast_check_arguments(parser: argparse.ArgumentParser | argparse._Arg
     parser.add_argument("--forecast-bound", type=float, default=defaults.bound,
                         help="median absolute percentage error (fraction, 0.25 = 25 %%) past which an instance "
                              "is untrusted; trusted again under the bound times 0.8")
-    parser.add_argument("--forecast-signal", choices=SIGNALS, default=defaults.signal,
-                        help="which error decides: ttft, e2e (holds the length prediction's error too), max")
 
 
 def forecast_check_options_from_args(args: argparse.Namespace) -> ForecastCheckOptions:
     return ForecastCheckOptions(window=args.forecast_window,
                                 min_samples=min(args.forecast_min_samples, args.forecast_window),
-                                bound=args.forecast_bound, signal=args.forecast_signal,
-                                fallback=args.forecast_fallback)
+                                bound=args.forecast_bound, fallback=args.forecast_fallback)

@@ -231,14 +231,6 @@ class DispatcherCore:
                 check.restart(instance_id)
         return change
 
-    def _trusted(self, candidates: list[InstanceView]) -> list[InstanceView]:
-        """With the ``exclude`` fallback: the trusted candidates, or all when none is."""
-        check = self.forecast_check
-        if check.options.fallback != "exclude" or not check.untrusted_ids:
-            return candidates
-        trusted = [view for view in candidates if check.is_trusted(view.instance_id)]
-        return trusted or candidates
-
     # --- placement ----------------------------------------------------------------------
 
     def place(self, requests: Sequence[Request], now_s: float, *, bus_now_s: float | None = None) -> list[Outcome]:
@@ -265,7 +257,7 @@ class DispatcherCore:
 
     def _place_one(self, request: Request, live: list[InstanceView], now_s: float, bus_now_s: float | None, *,
                    admit: bool = True) -> Outcome:
-        candidates = self._trusted(eligible_candidates(request, live)) if live else []
+        candidates = eligible_candidates(request, live) if live else []
         if not candidates:  # batch work waits for idle capacity; so does everything with no instance
             self.stats.num_held += 1
             return Held(request)

@@ -84,6 +84,6 @@ def _forecast_check(config: SimulationConfig, simulation: ClusterSimulation,
     check = simulation.core.forecast_check
     options = check.options
     return {"fallback": options.fallback, "window": options.window, "bound": options.bound,
-            "signal": options.signal, "slow_instances": config.slow_instances, "slow_factor": config.slow_factor,
+            "slow_instances": config.slow_instances, "slow_factor": config.slow_factor,
             "slow_published": config.slow_published, "slow_hidden": config.slow_hidden, "changes": trust_changes,
             "instances": {i: e.to_dict() for i, e in check.instance_errors().items()}}
