@@ -288,7 +288,7 @@ def test_key_specs_parse_and_defaults() -> None:
     assert config.policy_of("k1").max_in_flight == 3
     # keys without their own: half the gateway with two keys or more, so none locks out the rest
     assert config.policy_of("k2").max_in_flight == config.policy_of("k3").max_in_flight == 5
-    assert config.policy_of("k3") == KeyPolicy(max_in_flight=5)
+    assert config.policy_of("k3") == KeyPolicy(max_in_flight=5, max_requests_in_flight=25_000)
     assert GatewayConfig(api_key_to_tenant={"k": "t"}, max_in_flight=10).policy_of("k").max_in_flight == 10
     assert GatewayConfig(api_key_to_tenant=tenants, key_max_in_flight=2).policy_of("k3").max_in_flight == 2
     open_policy = GatewayConfig(max_in_flight=10).policy_of(None)
@@ -314,7 +314,7 @@ def test_key_specs_from_env_file_and_flags(tmp_path: Path) -> None:
                                       "BLOCKQ_GATEWAY_KEY_MAX_IN_FLIGHT": "7"})
     assert dict(config.api_key_to_tenant) == {"k1": "alice", "k2": "bob2", "k3": "carol"}
     # k2 named again without options: its file policy does not linger
-    assert config.policy_of("k2") == KeyPolicy(max_in_flight=7)
+    assert config.policy_of("k2") == KeyPolicy(max_in_flight=7, max_requests_in_flight=25_000)
     assert config.policy_of("k1").max_in_flight == 2 and config.policy_of("k3").may_set_priority
 
 

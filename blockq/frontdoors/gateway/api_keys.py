@@ -2,14 +2,18 @@
 
 A key is configured as ``KEY[=TENANT][;OPTION=VALUE]...`` (``KEY TENANT`` in a keys file):
 
-=========================  ===================================================================
-``max_in_flight=N``        calls this key may have open at once (default: the gateway's
-                           ``key_max_in_flight``, see :meth:`GatewayConfig.policy_of`)
-``priority=P``             ``interactive`` (default) or ``batch``: the priority of the key's
-                           requests that name none
-``may_set_priority=B``     ``true``: a request may ask for another priority (default false)
-``may_set_best_effort=B``  ``true``: a request may send ``"best_effort": true`` (default false)
-=========================  ===================================================================
+==============================  ==============================================================
+``max_in_flight=N``             calls this key may have open at once (default: the gateway's
+                                ``key_max_in_flight``, see :meth:`GatewayConfig.policy_of`)
+``max_requests_in_flight=N``    requests (prompts x ``n``) this key's open calls may carry:
+                                its share of the backlog (default: the gateway's
+                                ``key_max_requests_in_flight``)
+``priority=P``                  ``interactive`` (default) or ``batch``: the priority of the
+                                key's requests that name none
+``may_set_priority=B``          ``true``: a request may ask for another priority (default false)
+``may_set_best_effort=B``       ``true``: a request may send ``"best_effort": true`` (default
+                                false)
+==============================  ==============================================================
 
 Callers used to choose their own priority and best_effort; a key now gets its configured
 priority, and a request asking for what its key may not set is refused naming the field
@@ -35,16 +39,20 @@ _FALSE = ("0", "false", "no")
 
 @dataclass(frozen=True)
 class KeyPolicy:
-    """What one API key may do. ``max_in_flight`` None: the gateway's per-key default."""
+    """What one API key may do. ``max_in_flight`` / ``max_requests_in_flight`` None: the
+    gateway's per-key defaults."""
 
     max_in_flight: int | None = None
+    max_requests_in_flight: int | None = None
     priority: str = "interactive"
     may_set_priority: bool = False
     may_set_best_effort: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_in_flight is not None and self.max_in_flight < 1:
-            raise ConfigError(f"max_in_flight: must be >= 1 (got {self.max_in_flight})")
+        for name in ("max_in_flight", "max_requests_in_flight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}: must be >= 1 (got {value})")
         if self.priority not in PRIORITIES:
             raise ConfigError(f"priority: must be one of {', '.join(PRIORITIES)} (got {self.priority!r})")
 
@@ -56,7 +64,7 @@ OPEN_POLICY = KeyPolicy(may_set_priority=True, may_set_best_effort=True)
 @dataclass(frozen=True)
 class Caller:
     """Who sent a request: its tenant, its key's fingerprint ("" without keys) and policy
-    (every default filled in, so ``policy.max_in_flight`` is set)."""
+    (every default filled in, so ``policy.max_in_flight`` and ``max_requests_in_flight`` are set)."""
 
     tenant: str
     key_id: str
@@ -70,18 +78,18 @@ def key_fingerprint(key: str) -> str:
 
 def _read_option(policy: KeyPolicy, name: str, raw: str) -> KeyPolicy:
     value: object = raw
-    if name == "max_in_flight":
+    if name in ("max_in_flight", "max_requests_in_flight"):
         try:
             value = int(raw)
         except ValueError:
-            raise ConfigError(f"max_in_flight: must be an integer (got {raw!r})") from None
+            raise ConfigError(f"{name}: must be an integer (got {raw!r})") from None
     elif name in ("may_set_priority", "may_set_best_effort"):
         if raw.lower() not in _TRUE + _FALSE:
             raise ConfigError(f"{name}: must be true or false (got {raw!r})")
         value = raw.lower() in _TRUE
     elif name != "priority":
-        raise ConfigError(f"{name or raw!r}: unknown option (known: max_in_flight, priority, may_set_priority, "
-                          "may_set_best_effort)")
+        raise ConfigError(f"{name or raw!r}: unknown option (known: max_in_flight, max_requests_in_flight, "
+                          "priority, may_set_priority, may_set_best_effort)")
     return replace(policy, **{name: value})
 
 

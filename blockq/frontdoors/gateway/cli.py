@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="listen port (default 8000); env BLOCKQ_GATEWAY_PORT")
     parser.add_argument("--api-key", dest="api_keys", action="append", type=_api_key, default=None,
                         metavar="KEY[=TENANT][;OPTION=VALUE]",
-                        help="accept this bearer token, for TENANT; options max_in_flight, priority, "
+                        help="accept this bearer token, for TENANT; options max_in_flight, max_requests_in_flight, priority, "
                              "may_set_priority, may_set_best_effort (repeatable; prefer the env "
                              "BLOCKQ_GATEWAY_API_KEYS or --api-keys-file: argv is visible to other users)")
     parser.add_argument("--api-keys-file", type=Path, default=None,
@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-max-in-flight", type=int, default=None,
                         help="concurrent requests per key unless its max_in_flight says (default: half of "
                              "--max-in-flight with two keys or more)")
+    parser.add_argument("--key-max-requests-in-flight", type=int, default=None,
+                        help="requests (prompts x n) one key's open calls may carry unless its "
+                             "max_requests_in_flight says (default: half of BLOCKQ_MAX_BACKLOG with two keys "
+                             "or more); env BLOCKQ_GATEWAY_KEY_MAX_REQUESTS_IN_FLIGHT")
     parser.add_argument("--served-model-name", dest="model_names", action="append", default=None,
                         help="model name clients may ask for (repeatable; default 'blockq')")
     parser.add_argument("--chat-template", default=None,
@@ -74,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout_s, max_body_bytes=args.max_body_bytes,
         max_json_depth=args.max_json_depth, max_in_flight=args.max_in_flight,
         read_timeout_s=args.read_timeout_s, write_timeout_s=args.write_timeout_s,
-        key_max_in_flight=args.key_max_in_flight, allow_unauthenticated=args.allow_unauthenticated)
+        key_max_in_flight=args.key_max_in_flight, key_max_requests_in_flight=args.key_max_requests_in_flight,
+        allow_unauthenticated=args.allow_unauthenticated)
     return run_service(settings, "gateway", lambda stop: serve(config, settings, stop))
 
 

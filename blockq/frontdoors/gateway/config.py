@@ -11,6 +11,10 @@ overridden by ``blockq gateway`` flags.
 ``BLOCKQ_GATEWAY_KEY_MAX_IN_FLIGHT``    calls one key may have open unless its policy says
                                         (default: half of ``MAX_IN_FLIGHT`` with two keys or
                                         more, all of it with one)
+``BLOCKQ_GATEWAY_KEY_MAX_REQUESTS_IN_FLIGHT``  requests (prompts x ``n``) one key's open calls
+                                        may carry unless its policy says (default: half of
+                                        ``BLOCKQ_MAX_BACKLOG`` with two keys or more, all of
+                                        it with one)
 ``BLOCKQ_GATEWAY_MODEL_NAMES``          comma-separated served model names (default ``blockq``)
 ``BLOCKQ_GATEWAY_CHAT_TEMPLATE``        ``chatml`` (default), ``plain`` or a Jinja2 file path
 ``BLOCKQ_GATEWAY_REQUEST_TIMEOUT_S``    longest a request may take (default 600 s)
@@ -38,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from blockq.config import ConfigError
+from blockq.config import ConfigError, Settings
 from blockq.frontdoors.gateway.api_keys import (
     OPEN_POLICY,
     KeyPolicy,
@@ -69,10 +73,11 @@ class GatewayConfig:
     # drops the connection (a client reading 10 KB/s never waits that long; docs/gateway.md).
     read_timeout_s: float = 30.0
     write_timeout_s: float = 5.0
-    # Per-key policies (keys absent here get KeyPolicy()) and the per-key in-flight default
-    # (None: see default_key_max_in_flight).
+    # Per-key policies (keys absent here get KeyPolicy()) and the per-key in-flight defaults
+    # (None: see policy_of).
     api_key_to_policy: Mapping[str, KeyPolicy] = field(default_factory=dict)
     key_max_in_flight: int | None = None
+    key_max_requests_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -99,6 +104,9 @@ class GatewayConfig:
         if self.key_max_in_flight is not None and not 1 <= self.key_max_in_flight <= self.max_in_flight:
             raise ConfigError(f"gateway key_max_in_flight: must be between 1 and max_in_flight "
                               f"({self.max_in_flight}) (got {self.key_max_in_flight})")
+        if self.key_max_requests_in_flight is not None and self.key_max_requests_in_flight < 1:
+            raise ConfigError(f"gateway key_max_requests_in_flight: must be >= 1 "
+                              f"(got {self.key_max_requests_in_flight})")
         for key, policy in self.api_key_to_policy.items():
             where = f"gateway api key {key_fingerprint(key)}"
             if key not in self.api_key_to_tenant:
@@ -113,26 +121,24 @@ class GatewayConfig:
     def auth_required(self) -> bool:
         return bool(self.api_key_to_tenant)
 
-    @property
-    def default_key_max_in_flight(self) -> int:
-        """Calls a key may have open when its policy sets none: ``key_max_in_flight`` if set;
-        else, with two keys or more, half the gateway's slots (so no single key can lock the
-        others out, while a busy key may still use half the gateway when the others are idle);
-        with one key, all of them."""
-        if self.key_max_in_flight is not None:
-            return self.key_max_in_flight
-        if len(self.api_key_to_tenant) <= 1:
-            return self.max_in_flight
-        return max(1, self.max_in_flight // 2)
+    def _key_share(self, whole: int) -> int:
+        """A key's default share of ``whole`` (slots or backlog): with two keys or more,
+        half, so no single key can lock the others out while a busy key may still use half
+        when the others are idle; with one key, all of it."""
+        return whole if len(self.api_key_to_tenant) <= 1 else max(1, whole // 2)
 
-    def policy_of(self, key: str | None) -> KeyPolicy:
+    def policy_of(self, key: str | None, max_backlog: int = Settings.max_ingress_backlog) -> KeyPolicy:
         """``key``'s policy with every default filled in; None: the caller of a gateway
-        without keys, who may set priority and best_effort and use every slot."""
+        without keys, who may set priority and best_effort and use every slot and the whole
+        backlog (``max_backlog``, the pipeline's ``BLOCKQ_MAX_BACKLOG``)."""
         if key is None:
-            return replace(OPEN_POLICY, max_in_flight=self.max_in_flight)
+            return replace(OPEN_POLICY, max_in_flight=self.max_in_flight, max_requests_in_flight=max_backlog)
         policy = self.api_key_to_policy.get(key, KeyPolicy())
         if policy.max_in_flight is None:
-            policy = replace(policy, max_in_flight=self.default_key_max_in_flight)
+            policy = replace(policy, max_in_flight=self.key_max_in_flight or self._key_share(self.max_in_flight))
+        if policy.max_requests_in_flight is None:
+            policy = replace(policy, max_requests_in_flight=self.key_max_requests_in_flight
+                             or self._key_share(max_backlog))
         return policy
 
 
@@ -190,6 +196,7 @@ def gateway_config_from_env(env: Mapping[str, str] | None = None, **overrides: o
         "max_json_depth": number("MAX_JSON_DEPTH", int), "max_in_flight": number("MAX_IN_FLIGHT", int),
         "read_timeout_s": number("READ_TIMEOUT_S", float), "write_timeout_s": number("WRITE_TIMEOUT_S", float),
         "key_max_in_flight": number("KEY_MAX_IN_FLIGHT", int),
+        "key_max_requests_in_flight": number("KEY_MAX_REQUESTS_IN_FLIGHT", int),
         "model_names": tuple(n.strip() for n in (get("MODEL_NAMES") or "").split(",") if n.strip()) or None,
         "api_key_to_tenant": keys or None, "api_key_to_policy": policies or None,
         "allow_unauthenticated": (get("ALLOW_UNAUTHENTICATED") or "").lower() in ("1", "true", "yes") or None,

@@ -80,9 +80,10 @@ class Gateway:
         self.slots = InFlightSlots(config.max_in_flight)
         self.metrics.in_flight.set_function(lambda: self.slots.num_in_flight)
         # Resolved once: a request only looks its key up.
-        self.key_to_caller = {key: Caller(tenant, key_fingerprint(key), config.policy_of(key))
+        max_backlog = settings.max_ingress_backlog
+        self.key_to_caller = {key: Caller(tenant, key_fingerprint(key), config.policy_of(key, max_backlog))
                               for key, tenant in config.api_key_to_tenant.items()}
-        self.open_caller = Caller("default", "", config.policy_of(None))
+        self.open_caller = Caller("default", "", config.policy_of(None, max_backlog))
         self.started_at_s = int(time.time())
         self._instance_models: tuple[str, ...] = ()
         self._models_read_at_s = -math.inf
@@ -194,6 +195,27 @@ class Gateway:
         finally:
             self.slots.give_back(caller.key_id)
 
+    @contextlib.contextmanager
+    def requests_share(self, caller: Caller, num_requests: int) -> Iterator[None]:
+        """Count a parsed call's ``num_requests`` against its key's share of the backlog while
+        it runs: 429 when the key's open calls already carry too many, 400 when this call
+        alone carries more than the whole share (it could never run)."""
+        key_max_requests = caller.policy.max_requests_in_flight or self.settings.max_ingress_backlog
+        where = f"the API key of tenant {caller.tenant!r} ({caller.key_id})"
+        if num_requests > key_max_requests:
+            raise GatewayError(400, f"this call asks for {num_requests} choices (prompts x n); {where} may have "
+                               f"at most {key_max_requests} in flight, its max_requests_in_flight",
+                               "invalid_request_error", param="n", code="key_too_many_requests")
+        if self.slots.take_requests(caller.key_id, num_requests, key_max_requests) is not None:
+            raise GatewayError(429, f"{where} has {self.slots.num_requests_of(caller.key_id)} requests in flight; "
+                               f"{num_requests} more would pass its max_requests_in_flight ({key_max_requests}); "
+                               "retry later", "rate_limit_error", param="max_requests_in_flight",
+                               code="key_too_many_requests", headers={"Retry-After": "1"})
+        try:
+            yield
+        finally:
+            self.slots.give_back_requests(caller.key_id, num_requests)
+
     async def read_json(self, request: web.Request) -> Any:
         """The body as JSON: 413 past ``max_body_bytes``, 408 when it has not arrived whole
         within ``read_timeout_s`` (a trickling client holds its slot no longer than that)."""
@@ -279,9 +301,10 @@ class Gateway:
         # The slot comes before the body: a body is memory, and a slow one time.
         with self.in_flight_slot(caller):
             plan = await self._plan(request, endpoint, caller)
-            call = GenerationCall(self.require_client(), self.metrics, self.background, plan, caller.tenant,
-                                  timeout_s, endpoint, write_timeout_s=self.config.write_timeout_s)
-            return await call.respond(request)
+            with self.requests_share(caller, plan.num_choices):
+                call = GenerationCall(self.require_client(), self.metrics, self.background, plan, caller.tenant,
+                                      timeout_s, endpoint, write_timeout_s=self.config.write_timeout_s)
+                return await call.respond(request)
 
     async def _plan(self, request: web.Request, endpoint: str, caller: Caller) -> GenerationPlan:
         """The call's body read, validated and held to the caller's key policy."""
