@@ -136,12 +136,12 @@ class ForecastCheck:
         measurement of E2E, are ignored (an ``infeasible`` answer ran nowhere)."""
         if record.status != "ok" or not record.instance:
             return None
-        e2e_ape = _ape(record.predicted_e2e_ms, record.e2e_ms)
+        e2e_ape = forecast_ape(record.predicted_e2e_ms, record.e2e_ms)
         if e2e_ape is None:
             return None
         window = self._window(record.instance)
         window.e2e.append(e2e_ape)
-        ttft_ape = _ape(record.predicted_ttft_ms, record.ttft_ms)
+        ttft_ape = forecast_ape(record.predicted_ttft_ms, record.ttft_ms)
         if ttft_ape is not None:
             window.ttft.append(ttft_ape)
             window.ttft_ratio.append(record.ttft_ms / record.predicted_ttft_ms)  # type: ignore[operator]
@@ -235,7 +235,7 @@ def scaled_latency_model(model: StepLatencyModel, factor: float) -> StepLatencyM
                    prefill_pair_s=model.prefill_pair_s * factor, step_overhead_s=model.step_overhead_s * factor)
 
 
-def _ape(forecast_ms: float | None, measured_ms: float | None) -> float | None:
+def forecast_ape(forecast_ms: float | None, measured_ms: float | None) -> float | None:
     """Absolute percentage error against the measurement; None when either is missing
     or the measurement is not positive (nothing to divide by)."""
     if not isinstance(forecast_ms, int | float) or not isinstance(measured_ms, int | float):

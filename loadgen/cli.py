@@ -15,10 +15,15 @@ from loadgen.arrivals import DEFAULT_THINK_TIME_S
 from loadgen.benches.live import BenchConfig, load_requests, run_bench, run_one
 from loadgen.progress import run_progress_printer
 from loadgen.report import capacity_search, markdown_table, with_improvement_ratios, write_report
+from loadgen.simulation.seed_tables import mean_sd_table
 
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x)
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -41,6 +46,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
     parser.add_argument("--rates", type=_floats, default=(20.0, 24.0, 28.0, 32.0), help="requests/s (model time)")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=_seeds, default=None,
+                        help="comma-separated seeds; each draws its own sample and arrivals (tables: mean ± sd)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     parser.add_argument("--trace-times", action="store_true", help="use the trace's own timestamps (rescaled to the rate)")
     parser.add_argument("--multi-turn", action="store_true",
@@ -61,8 +68,42 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
     parser.add_argument("--json", action="store_true", help="print the results as a JSON list")
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``blockq bench``'s engines: emulated, or real vLLM engines with ``up``'s options."""
+    from blockq.local.up import VLLM_UP_OPTIONS
+
+    parser.add_argument("--engine", choices=["emulated", "vllm"], default="emulated",
+                        help="the instances' engine; vllm: real engines on --model (--preset PROFILE.json: "
+                             "the latency model they publish, from `blockq profile`)")
+    parser.add_argument("--model", default=None, help="--engine vllm: the model directory")
+    vllm = parser.add_argument_group("--engine vllm (passed to `blockq up`)")
+    for option, kind, text in VLLM_UP_OPTIONS:
+        vllm.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
+    vllm.add_argument("--enforce-eager", action="store_true", help="vLLM without graph capture or compilation")
+    vllm.add_argument("--pin-cores", action="store_true", help="vLLM on CPU: each instance's kernels on its own core")
+
+
+def _engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The `blockq up` flags of the engine options :func:`add_engine_arguments` added."""
+    if getattr(args, "engine", "emulated") == "emulated":
+        return ()
+    if not args.model:
+        raise SystemExit("bench: --engine vllm needs --model DIR")
+    from blockq.local.up import VLLM_UP_OPTIONS
+
+    flags = ["--model", args.model]
+    for option, _, _ in VLLM_UP_OPTIONS:
+        value = getattr(args, "vllm_" + option[2:].replace("-", "_"))
+        if value is not None:
+            flags += [option, str(value)]
+    flags += ["--enforce-eager"] if args.enforce_eager else []
+    return (*flags, *(["--pin-cores"] if args.pin_cores else []))
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
+        seeds=args.seeds or (), engine=getattr(args, "engine", "emulated"), engine_flags=_engine_flags(args),
+        max_model_len=getattr(args, "vllm_max_model_len", None),
         trace=args.trace, instances=args.instances, instances_per_process=args.instances_per_process,
         preset=args.preset, policies=args.policies, rates=args.rates, requests=args.requests, seed=args.seed,
         burstiness=args.burstiness, use_trace_times=args.trace_times, time_scale=args.time_scale,
@@ -85,7 +126,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_capacity_command(args, config)
     results, per_request, kv_samples = run_bench(config, on_progress=progress_printer())
     files = write_report(config.out_dir, results, per_request=per_request, kv_samples=kv_samples)
-    print_results(results, list(files.values()), as_json=args.json, table=markdown_table(results))
+    table = mean_sd_table(results) if len(config.all_seeds) > 1 else markdown_table(results)
+    print_results(results, list(files.values()), as_json=args.json, table=table)
     return 0
 
 

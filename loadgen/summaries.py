@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from blockq.forecast_check import forecast_ape
+
 DEFAULT_SLO_TTFT_MS = 3000.0
 DEFAULT_LAG_BOUND_MS = 50.0
 DEFAULT_KV_BUCKET_S = 1.0
@@ -94,6 +96,13 @@ def _mean_absolute_error(pairs: Iterable[tuple[float | None, float | None]]) -> 
     return _mean(errors)
 
 
+def _forecast_ape_p50(pairs: Iterable[tuple[float | None, float | None]]) -> float | None:
+    """Median over requests of |measured - forecast| / measured (a fraction; requests
+    without a forecast or a positive measurement left out)."""
+    errors = _finite(forecast_ape(forecast, measured) for forecast, measured in pairs)
+    return _percentile(errors, 50)
+
+
 def kv_usage_variance_series(
     kv_samples: Sequence[KvSample], *, bucket_s: float = DEFAULT_KV_BUCKET_S
 ) -> list[tuple[float, float]]:
@@ -163,6 +172,8 @@ def summarize(
     * prediction errors (mean absolute): ``length_mae_tokens`` — predicted vs actually
       generated output tokens of completed requests; ``ttft_prediction_mae_ms`` and
       ``e2e_prediction_mae_ms`` — the dispatcher's predictions vs measured;
+      ``ttft_forecast_ape_p50`` / ``e2e_forecast_ape_p50``: the median over completed
+      requests of the placement forecast's absolute error as a fraction of the measurement;
     * the host: ``lag_mean_ms``, the mean of the beats' mean step lag (model ms: how late
       an emulated engine's steps ended on this host; what ``blockq simulate --step-lag-ms``
       takes, times the time scale, to replay the run as this host ran it), and
@@ -225,6 +236,8 @@ def summarize(
     summary["e2e_prediction_mae_ms"] = _mean_absolute_error(
         (record.predicted_e2e_ms, record.e2e_ms) for record in completed
     )
+    summary["ttft_forecast_ape_p50"] = _forecast_ape_p50((r.predicted_ttft_ms, r.ttft_ms) for r in completed)
+    summary["e2e_forecast_ape_p50"] = _forecast_ape_p50((r.predicted_e2e_ms, r.e2e_ms) for r in completed)
     summary["preemptions_total"] = sum(record.num_preemptions for record in records)
     lag_means_ms = _finite(lag_mean_samples_ms)
     summary["lag_mean_ms"] = float(lag_means_ms.mean()) if len(lag_means_ms) else None

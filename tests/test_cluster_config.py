@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,29 @@ def test_a_refinement_model_serves_refine_on_the_predictor_and_points_the_worker
         ClusterConfig(refine_model="m", gateway=True, gateway_port=8100)
     with pytest.raises(ConfigError, match="refine_every_tokens"):
         ClusterConfig(refine_every_tokens=0)
+
+
+def test_pinned_vllm_instances_each_get_a_core_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    config = ClusterConfig().with_overrides(engine="vllm", model="m", instances=3, vllm_pin_cores=True)
+    cores = [argv[argv.index("--cpu-core") + 1] for argv in worker_argvs(config)]
+    assert cores == ["0", "1", "0"]  # instance K on core K modulo the node's cores
+    assert all("--cpu-core" not in argv for argv in worker_argvs(config.with_overrides(vllm_pin_cores=False)))
+
+
+def test_bench_passes_vllm_options_to_up_and_draws_a_sample_per_seed() -> None:
+    from blockq.cli.main import build_parser
+    from loadgen.benches.live import load_requests
+    from loadgen.cli import config_from_args
+
+    args = build_parser().parse_args([
+        "bench", "--engine", "vllm", "--model", "/models/tiny", "--max-num-seqs", "16", "--block-size", "32",
+        "--max-model-len", "2048", "--enforce-eager", "--pin-cores", "--seeds", "1,2", "--requests", "20"])
+    config = config_from_args(args)
+    assert config.engine == "vllm" and config.all_seeds == (1, 2) and config.max_model_len == 2048
+    assert config.engine_flags == ("--model", "/models/tiny", "--block-size", "32", "--max-model-len", "2048",
+                                   "--max-num-seqs", "16", "--enforce-eager", "--pin-cores")
+    first, second = (load_requests(replace(config, seed=seed)) for seed in (1, 2))
+    assert len(first) == len(second) == 20 and [r.prompt for r in first] != [r.prompt for r in second]
+    with pytest.raises(SystemExit, match="--model"):
+        config_from_args(build_parser().parse_args(["bench", "--engine", "vllm"]))

@@ -11,6 +11,7 @@ import pytest
 from workers.engines.base import EngineRequestSpec
 from workers.engines.vllm import VllmEngine
 from workers.engines.vllm_options import VllmEngineOptions
+from workers.engines.vllm_state import EngineSnapshot, snapshot_of
 
 
 @dataclass
@@ -157,3 +158,57 @@ def test_what_a_killed_worker_started_dies_with_it(tmp_path) -> None:  # noqa: A
                    interval_s=0.1)
     finally:
         worker.kill()
+
+
+async def test_progress_follows_the_engine_cores_snapshot() -> None:
+    """With the scheduler's snapshots the state is vLLM's own: its running order, each
+    request's computed and generated tokens, preemptions by each request's count, the
+    requests the core has not taken in waiting last, the ones it finished left out."""
+    engine = VllmEngine(VllmEngineOptions(model="m", max_num_seqs=8), engine=EngineDouble(num_tokens=50),
+                        params_factory=lambda s: None)
+    for request_id in ("a", "b", "c-1", "d"):
+        engine.add_request(spec(request_id))
+    first = EngineSnapshot(at_s=engine._origin_s + 1.0, running=(("b-0f3a9c1e", 2, 5, 0), ("a-77aa00bb", 2, 3, 0)),
+                           waiting=(("c-1-12345678", 0, 0, 0),), used_blocks=3, num_steps=7)
+    assert engine.state.apply(first, engine._tracked) == []
+    running, waiting, num_used_blocks = engine._progress_of(first)
+    assert [(r.request_id, r.num_computed_tokens, r.num_generated_tokens) for r in running] == [
+        ("b", 2, 5), ("a", 2, 3)]
+    assert [w.request_id for w in waiting] == ["c-1", "d"] and num_used_blocks == 3  # d: not in the core yet
+    # a is preempted (its count grows), b finished in the core and is no longer there
+    later = EngineSnapshot(at_s=engine._origin_s + 2.0, running=(("c-1-12345678", 2, 1, 0),),
+                           waiting=(("a-77aa00bb", 0, 3, 1), ("d-abcdef01", 0, 0, 0)), used_blocks=1, num_steps=9)
+    assert engine.state.apply(first, engine._tracked) == []  # an older snapshot changes nothing
+    assert engine.state.apply(later, engine._tracked) == ["a"]
+    running, waiting, _ = engine._progress_of(later)
+    assert [r.request_id for r in running] == ["c-1"]
+    assert [(w.request_id, w.num_computed_tokens) for w in waiting] == [("a", 0), ("d", 0)]
+    for request_id in ("a", "b", "c-1", "d"):
+        engine.abort_request(request_id)
+    assert engine._progress_of(later) == ([], [], 1)
+
+
+def test_snapshots_encode_as_the_scheduler_sends_them() -> None:
+    class Pool:
+        num_gpu_blocks = 10
+
+        def get_num_free_blocks(self) -> int:
+            return 6
+
+    @dataclass
+    class Req:
+        request_id: str
+        num_computed_tokens: int
+        num_output_tokens: int
+        num_preemptions: int = 0
+
+    class Scheduler:
+        running = [Req("x-1", 40, 3)]
+        waiting = [Req("y-2", 0, 0)]
+        kv_holding_waiting = [Req("z-3", 16, 0, 1)]
+        kv_cache_manager = type("Manager", (), {"block_pool": Pool()})()
+
+    snapshot = EngineSnapshot.decode(snapshot_of(Scheduler(), num_steps=4))
+    assert snapshot.running == (("x-1", 40, 3, 0),)
+    assert snapshot.waiting == (("z-3", 16, 0, 1), ("y-2", 0, 0, 0))  # block holders are admitted first
+    assert snapshot.used_blocks == 3 and snapshot.num_steps == 4  # 10 - 6 free - the null block

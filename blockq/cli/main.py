@@ -132,8 +132,9 @@ def _add_services(sub: argparse._SubParsersAction) -> None:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from loadgen import cli as loadgen_cli
 
-    p = sub.add_parser("bench", help="compare policies on fresh emulated clusters (table, JSON, plots)")
+    p = sub.add_parser("bench", help="compare policies on fresh clusters, emulated or vLLM (table, JSON, plots)")
     loadgen_cli.add_bench_arguments(p)
+    loadgen_cli.add_engine_arguments(p)
     p.set_defaults(handler=loadgen_cli.run_bench_command)
     from loadgen.simulation import cli as simulation_cli
 

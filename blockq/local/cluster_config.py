@@ -18,7 +18,8 @@ With ``engine = "vllm"`` the instances run vLLM on ``model`` (a path or model na
 one instance per worker process; ``vllm_block_size``, ``vllm_kv_cache_bytes``,
 ``vllm_gpu_memory_utilization``, ``vllm_max_model_len`` and ``vllm_max_num_seqs`` pass
 through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or compilation,
-for a fast start-up); on a CPU node ``blockq up`` chooses the block size and KV cache size
+for a fast start-up; ``vllm_pin_cores = true``: on the CPU backend instance K runs its
+kernels on core K modulo the node's cores); on a CPU node ``blockq up`` chooses the block size and KV cache size
 that are not set, from the node's free memory (:meth:`ClusterConfig.vllm_wanted`,
 blockq/local/vllm_sizing.py), and ``preset``, ``time_scale`` and ``noise`` (the emulated engine's) are not used.
 
@@ -52,6 +53,7 @@ every worker asks it for remaining-length refinements of its running requests ev
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -100,6 +102,7 @@ class ClusterConfig:
     vllm_max_model_len: int | None = None
     vllm_max_num_seqs: int | None = None
     vllm_enforce_eager: bool = False
+    vllm_pin_cores: bool = False
     prefix_caching: bool = False
     autoscale: AutoscaleOptions | None = None
     metrics_base_port: int = DEFAULT_METRICS_BASE_PORT
@@ -296,7 +299,7 @@ class ClusterConfig:
         name = f"{WORKER_CHILD_PREFIX}{process_index}"
         return (name, (
             "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
-            "--first-index", str(first_index), *self._engine_argv(), "--seed", str(self.seed),
+            "--first-index", str(first_index), *self._engine_argv(process_index), "--seed", str(self.seed),
             *self._refine_argv(), *self._metrics_argv(name)))
 
     def _refine_argv(self) -> list[str]:
@@ -323,8 +326,9 @@ class ClusterConfig:
             argv.append(f"--scale-command={options.scale_command}")  # one argument, even if it starts with -
         return argv
 
-    def _engine_argv(self) -> list[str]:
-        """The worker options that choose and configure its engine."""
+    def _engine_argv(self, process_index: int) -> list[str]:
+        """The worker options that choose and configure the engine of worker process
+        ``process_index`` (with vLLM, one instance a process)."""
         prefix = ["--prefix-caching"] if self.prefix_caching else []
         if self.engine == "emulated":
             return ["--preset", self.preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise), *prefix]
@@ -335,6 +339,8 @@ class ClusterConfig:
                               ("--max-num-seqs", self.vllm_max_num_seqs)):
             if value is not None:
                 argv += [option, str(value)]
+        if self.vllm_pin_cores:
+            argv += ["--cpu-core", str(process_index % (os.cpu_count() or 1))]
         return argv + (["--enforce-eager"] if self.vllm_enforce_eager else [])
 
 

@@ -89,6 +89,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         p.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
     p.add_argument("--enforce-eager", dest="vllm_enforce_eager", action="store_true", default=None,
                    help="vLLM without graph capture or compilation (a fast start-up)")
+    p.add_argument("--pin-cores", dest="vllm_pin_cores", action="store_true", default=None,
+                   help="vLLM on CPU: instance K runs its kernels on core K modulo the node's cores "
+                        "(instances do not share cores)")
     p.add_argument("--prefix-caching", action="store_true", default=None,
                    help="every instance reuses cached prompt prefixes (emulated: counted hits; vLLM: "
                         "enable_prefix_caching=True)")

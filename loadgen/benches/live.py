@@ -1,9 +1,12 @@
-"""``blockq bench``: the same requests at the same times against a fresh emulated cluster
-per (policy, rate), then one table.
+"""``blockq bench``: the same requests at the same times against a fresh cluster per
+(policy, rate, seed), then one table.
 
 Each run starts its own cluster (`blockq up --detach` in a private state directory, with
 its own embedded Redis), replays, and tears it down, so no run inherits another's queues
-or warm state.
+or warm state. The engines are emulated, or real vLLM engines (``engine="vllm"``: the
+``engine_flags`` go to ``blockq up`` as they are, e.g. ``--model DIR --pin-cores``, and a
+``preset`` that is a PROFILE.json is the latency model the instances publish). With
+several ``seeds`` each seed draws its own sample and arrivals, as in ``blockq simulate``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +31,9 @@ from blockq.local.state import ClusterState
 from loadgen.arrivals import DEFAULT_THINK_TIME_S, build_schedule
 from loadgen.plots import run_key
 from loadgen.replay import ReplayOptions, ReplayResult, replay
+from loadgen.simulation.workload import sample_trace
 from loadgen.summaries import KvSample, RequestRecord, summarize
-from loadgen.traces import TraceRequest, load_trace
+from loadgen.traces import TraceRequest
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +48,10 @@ class BenchConfig:
     rates: tuple[float, ...] = (20.0, 24.0, 28.0, 32.0)
     requests: int = 2000
     seed: int = 1
+    seeds: tuple[int, ...] = ()  # empty: (seed,)
+    engine: str = "emulated"
+    engine_flags: tuple[str, ...] = ()  # more `blockq up` flags for the engine (vLLM's options)
+    max_model_len: int | None = None  # the engines' (None: the preset's); longer prompts are not sampled
     burstiness: float = 1.0
     use_trace_times: bool = False
     multi_turn: bool = False
@@ -68,6 +76,17 @@ class BenchConfig:
             raise ValueError("requests: must be >= 1")
         if not self.think_time_s >= 0:
             raise ValueError("think_time_s: must be >= 0 seconds")
+        if self.engine not in ("emulated", "vllm"):
+            raise ValueError(f"engine: must be emulated or vllm (got {self.engine!r})")
+
+    @property
+    def all_seeds(self) -> tuple[int, ...]:
+        return self.seeds or (self.seed,)
+
+    @property
+    def ready_timeout_s(self) -> float:
+        """How long `up` may take: vLLM engines load and compile their model first."""
+        return 700.0 if self.engine == "vllm" else 300.0
 
 
 @dataclass
@@ -90,9 +109,13 @@ def up_detached(state_dir: Path, flags: list[str], env: dict[str, str] | None = 
 
 
 def start_cluster(config: BenchConfig, policy: str, state_dir: Path) -> dict[str, Any]:
-    flags = ["--instances", str(config.instances), "--instances-per-process", str(config.instances_per_process),
-             "--policy", policy, "--preset", config.preset, "--time-scale", str(config.time_scale),
-             "--predictor", config.predictor, "--seed", str(config.seed)]
+    flags = ["--instances", str(config.instances), "--policy", policy, "--predictor", config.predictor,
+             "--seed", str(config.seed), "--engine", config.engine, *config.engine_flags]
+    if config.engine == "emulated":
+        flags += ["--instances-per-process", str(config.instances_per_process), "--preset", config.preset,
+                  "--time-scale", str(config.time_scale)]
+    elif config.preset.endswith(".json"):  # a measured profile: the latency model the instances publish
+        flags += ["--preset", config.preset]
     if config.predictor_model:
         flags += ["--predictor-model", config.predictor_model]
     if config.objective:
@@ -101,7 +124,7 @@ def start_cluster(config: BenchConfig, policy: str, state_dir: Path) -> dict[str
         flags += ["--refine-model", config.refine_model, "--refine-every-tokens", str(config.refine_every_tokens)]
     if config.prefix_caching:
         flags.append("--prefix-caching")
-    return up_detached(state_dir, flags)
+    return up_detached(state_dir, flags, timeout_s=config.ready_timeout_s)
 
 
 def stop_cluster(state_dir: Path) -> None:
@@ -129,7 +152,7 @@ def run_one(config: BenchConfig, policy: str, rate: float, requests: list[TraceR
                         lag_mean_samples_ms=result.lag_mean_samples_ms,
                         delivery_samples_ms=result.delivery_samples_ms, slo_ttft_ms=config.slo_ttft_ms,
                         lag_bound_ms=config.lag_bound_ms)
-    summary.update(policy=policy, rate=rate, instances=config.instances, preset=config.preset,
+    summary.update(policy=policy, rate=rate, instances=config.instances, preset=config.preset, engine=config.engine,
                    predictor=config.predictor, time_scale=config.time_scale,
                    trace=config.trace, seed=config.seed)
     return RunOutput(summary, result.records, result.kv_samples)
@@ -142,9 +165,12 @@ async def _replay(redis_url: str, schedule: list[tuple[float, TraceRequest]], co
 
 
 def load_requests(config: BenchConfig) -> list[TraceRequest]:
-    # The trace's length policy is the engines': a long-context preset keeps long prompts.
-    requests = load_trace(config.trace, limit=config.requests, seed=config.seed, multi_turn=config.multi_turn,
-                          max_model_len=get_preset(config.preset).config.max_model_len)
+    """The run's requests: the trace's first ``requests``, or with ``seeds`` a sample drawn
+    with each seed, the very sample ``blockq simulate --seeds`` draws (a long-context
+    preset keeps long prompts: the trace's length policy is the engines')."""
+    max_model_len = config.max_model_len or get_preset(config.preset).config.max_model_len
+    requests = sample_trace(config.trace, config.requests, config.seed, redraw=bool(config.seeds),
+                            multi_turn=config.multi_turn, max_model_len=max_model_len)
     if len(requests) < config.requests:
         log.warning("trace_shorter_than_requested", trace=config.trace, available=len(requests),
                     requested=config.requests)
@@ -153,21 +179,23 @@ def load_requests(config: BenchConfig) -> list[TraceRequest]:
 
 def run_bench(config: BenchConfig, on_progress: Callable[[str, int, int], None] | None = None
               ) -> tuple[list[dict[str, Any]], dict[str, list[RequestRecord]], dict[str, list[KvSample]]]:
-    """Every (policy, rate) run; returns summaries and, per run key, records and KV samples."""
-    requests = load_requests(config)
+    """Every (policy, rate, seed) run; returns summaries and, per run key, the first
+    seed's records and KV samples (what the plots show)."""
+    seed_to_requests = {seed: load_requests(replace(config, seed=seed)) for seed in config.all_seeds}
     results: list[dict[str, Any]] = []
     per_request: dict[str, list[RequestRecord]] = {}
     kv_samples: dict[str, list[KvSample]] = {}
     for rate in config.rates:
         for policy in config.policies:
             key = run_key(policy, rate)
+            for seed, requests in seed_to_requests.items():
+                def progress(done: int, total: int, label: str = f"{key}/seed{seed}") -> None:
+                    if on_progress:
+                        on_progress(label, done, total)
 
-            def progress(done: int, total: int, key: str = key) -> None:
-                if on_progress:
-                    on_progress(key, done, total)
-
-            output = run_one(config, policy, rate, requests, progress)
-            results.append(output.summary)
-            per_request[key] = output.records
-            kv_samples[key] = output.kv_samples
+                output = run_one(replace(config, seed=seed), policy, rate, requests, progress)
+                results.append(output.summary)
+                if seed == config.all_seeds[0]:
+                    per_request[key] = output.records
+                    kv_samples[key] = output.kv_samples
     return results, per_request, kv_samples

@@ -32,10 +32,6 @@ from loadgen.simulation.seed_tables import mean_sd_table
 from loadgen.summaries import KvSample, RequestRecord
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
@@ -55,8 +51,6 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(out=None, capacity_tolerance=0.25, capacity_iterations=16)
     parser.add_argument("--live", type=Path, default=None,
                         help="calibrate: a blockq bench results.json (or its --json output) to replay")
-    parser.add_argument("--seeds", type=_seeds, default=None,
-                        help="comma-separated seeds; each draws its own sample and arrivals (tables: mean ± sd)")
     parser.add_argument("--heartbeat-ms", type=float, default=100.0, help="worker heartbeat period (wall-clock ms)")
     parser.add_argument("--heartbeat-delay-ms", type=float, default=SimulationConfig.heartbeat_delay_ms,
                         help="from a beat's publication to the dispatcher (wall-clock ms)")

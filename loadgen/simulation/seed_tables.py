@@ -17,6 +17,8 @@ _COLUMNS: tuple[tuple[str, str, float, int], ...] = (
     ("goodput %", "goodput", 100.0, 1),
     ("infeasible %", "infeasible", 100.0, 1),
     ("preemptions", "preemptions_total", 1.0, 0),
+    ("TTFT forecast APE p50 %", "ttft_forecast_ape_p50", 100.0, 1),
+    ("E2E forecast APE p50 %", "e2e_forecast_ape_p50", 100.0, 1),
 )
 
 

@@ -102,7 +102,10 @@ def load_trace_with_stats(
     if multi_turn and spec == SYNTHETIC_SPEC:
         raise ValueError("multi_turn: the synthetic workload has no conversations")
     if spec == SYNTHETIC_SPEC:
-        config = SyntheticTraceConfig(max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN)
+        model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
+        # a prompt must leave room for one output token
+        config = SyntheticTraceConfig(max_model_len=model_len,
+                                      max_prompt_tokens=min(SyntheticTraceConfig.max_prompt_tokens, model_len - 1))
         return generate_synthetic(
             DEFAULT_NUM_REQUESTS if limit is None else limit,
             seed=seed,

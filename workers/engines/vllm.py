@@ -11,10 +11,14 @@ this engine is built. What the beats carry, and where it comes from:
   (``enable_logging_iteration_details``): context tokens, generation requests, elapsed
   time. The KV tokens a step attends are taken as KV usage times capacity (each running
   request attends to its whole context);
-- **per-request progress**: the tokens streamed so far. vLLM reports how many requests run
-  and wait, not which: the adapter lays the counts over arrival order, which is vLLM's
-  FCFS order (the earliest run; preemption takes the latest, which then wait with nothing
-  computed).
+- **running and waiting requests, each one's computed and generated tokens, preemptions
+  as they happen, KV blocks held**: vLLM's own scheduler, which the engine core runs as
+  :class:`workers.engines.vllm_state.StateReportingScheduler` and which sends a snapshot
+  after every step (:mod:`workers.engines.vllm_state`). The beat's state then holds at
+  that step's end (:meth:`VllmEngine.state_time_s`); requests the engine core has not
+  taken in yet wait behind the rest with nothing computed. Until the first snapshot (and
+  for a stand-in engine) the stat logger's counts are laid over arrival order, vLLM's
+  FCFS order.
 
 A request vLLM refuses or fails (a prompt past ``max_model_len``, an out-of-vocabulary
 token id, an engine error) ends with an ``error`` event carrying vLLM's message, which
@@ -35,6 +39,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -44,6 +49,13 @@ from blockq.engine_model.latency import StepLatencyModel
 from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 from workers.engines.vllm_options import VllmEngineOptions
+from workers.engines.vllm_state import (
+    SCHEDULER_CLS,
+    STATE_ENDPOINT_ENV,
+    EngineSnapshot,
+    SnapshotReader,
+    worker_request_id,
+)
 
 MAX_PENDING_SAMPLES = 256
 
@@ -133,10 +145,10 @@ class EngineWillNotStart(RuntimeError):
     :data:`blockq.local.cluster_config.WILL_NOT_START_EXIT_CODE` instead."""
 
 
-def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> Any:
-    """vLLM's async engine for ``options``, its stat logger feeding ``stats``;
-    EngineWillNotStart when vLLM refuses to start (its own message says why: vLLM's
-    engine-core process logs the cause before it)."""
+def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> tuple[Any, Any]:
+    """vLLM's async engine for ``options``, its stat logger feeding ``stats``, and the
+    socket its scheduler sends snapshots to; EngineWillNotStart when vLLM refuses to start
+    (its own message says why: vLLM's engine-core process logs the cause before it)."""
     try:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -157,10 +169,15 @@ def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> Any:
             pass
 
     options.apply_to_environment()
+    state_socket, endpoint = _bind_state_socket()
+    os.environ[STATE_ENDPOINT_ENV] = endpoint  # the engine-core process inherits it
     try:
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**options.engine_args()), stat_loggers=[_Logger])
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**options.engine_args(), scheduler_cls=SCHEDULER_CLS),
+                                           stat_loggers=[_Logger])
     except Exception as exc:  # a configuration error in this process, or the engine core's death
+        state_socket.close()
         raise EngineWillNotStart(f"{type(exc).__name__}: {exc}") from exc
+    return engine, state_socket
 
 
 def sampling_params(spec: EngineRequestSpec) -> Any:
@@ -195,7 +212,12 @@ class VllmEngine:
         self.options = options
         self.model = f"vllm:{options.model}"
         self.stats = VllmStats()
-        self.engine = engine if engine is not None else build_vllm_engine(options, self.stats)
+        self.state = SnapshotReader()
+        self._state_socket: Any = None  # None: a stand-in engine, no snapshots
+        self._preempted_ids: list[str] = []
+        if engine is None:
+            engine, self._state_socket = build_vllm_engine(options, self.stats)
+        self.engine = engine
         self.params_factory = params_factory
         self._tracked: dict[str, _Tracked] = {}  # in arrival order
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -223,8 +245,12 @@ class VllmEngine:
         return time.monotonic() - self._origin_s
 
     def state_time_s(self) -> float:
-        # vLLM does not expose the step under way: its progress is taken as of now.
-        return self.model_time_s()
+        """The end of the step of the latest snapshot, while the engine core holds requests
+        (it steps without pause then, so that is at most a step ago); else now."""
+        snapshot = self._read_state()
+        if snapshot is None or not (snapshot.running or snapshot.waiting):
+            return self.model_time_s()
+        return snapshot.at_s - self._origin_s
 
     def validate(self, spec: EngineRequestSpec) -> str | None:
         max_model_len = self._config["max_model_len"]
@@ -243,6 +269,7 @@ class VllmEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return False
+        self.state.forget(request_id)
         if tracked.task is not None:
             tracked.task.cancel()
         abort = self.engine.abort(request_id)
@@ -266,9 +293,29 @@ class VllmEngine:
             events.append(self._events.get_nowait())
         samples = tuple(self.stats.samples)
         self.stats.samples.clear()
-        return EngineStepOutput(tuple(events), (), self.model_time_s(), samples=samples)
+        self._read_state()
+        preempted_ids, self._preempted_ids = tuple(self._preempted_ids), []
+        return EngineStepOutput(tuple(events), preempted_ids, self.model_time_s(), samples=samples)
+
+    def _read_state(self) -> EngineSnapshot | None:
+        """The latest snapshot, after taking every one that has arrived (noting the
+        preemptions they reveal for the next step's output)."""
+        if self._state_socket is None:
+            return None
+        import zmq
+
+        payload = None
+        with contextlib.suppress(zmq.Again):
+            while True:
+                payload = self._state_socket.recv(zmq.NOBLOCK)
+        if payload is not None:
+            self._preempted_ids += self.state.apply(EngineSnapshot.decode(payload), self._tracked)
+        return self.state.latest
 
     def progress(self) -> tuple[list[RequestProgress], list[RequestProgress], int]:
+        snapshot = self._read_state()
+        if snapshot is not None:
+            return self._progress_of(snapshot)
         running, waiting = [], []
         num_running = self.stats.num_running
         for tracked in self._tracked.values():
@@ -278,11 +325,23 @@ class VllmEngine:
             # A running request has computed everything but its last token; a waiting one
             # (never started, or preempted) nothing.
             num_computed = spec.prompt_tokens + num_generated - 1 if is_running and num_generated else 0
-            item = RequestProgress(spec.request_id, spec.prompt_tokens, num_computed, num_generated,
-                                   spec.predicted_output_tokens, spec.p90_tokens)
-            (running if is_running else waiting).append(item)
+            (running if is_running else waiting).append(_progress_item(spec, num_computed, num_generated))
         num_used_blocks = round(self.stats.kv_cache_usage * self._config["num_gpu_blocks"])
         return running, waiting, num_used_blocks
+
+    def _progress_of(self, snapshot: EngineSnapshot) -> tuple[list[RequestProgress], list[RequestProgress], int]:
+        """The engine core's running and waiting requests as the snapshot has them, then the
+        requests it has not taken in yet; those it has finished are left out."""
+        lists: tuple[list[RequestProgress], list[RequestProgress]] = ([], [])
+        for entries, into in zip((snapshot.running, snapshot.waiting), lists, strict=True):
+            for engine_id, num_computed, num_output, _ in entries:
+                tracked = self._tracked.get(worker_request_id(engine_id, self._tracked))
+                if tracked is not None:  # else answered or aborted here already
+                    into.append(_progress_item(tracked.spec, num_computed, num_output))
+        for request_id, tracked in self._tracked.items():
+            if request_id not in self.state.seen_ids:
+                lists[1].append(_progress_item(tracked.spec, 0, 0))
+        return lists[0], lists[1], snapshot.used_blocks
 
     async def _consume(self, tracked: _Tracked, stream: AsyncIterator[Any]) -> None:
         request_id = tracked.spec.request_id
@@ -293,6 +352,7 @@ class VllmEngine:
             raise
         except Exception as exc:  # vLLM's refusal or failure is this request's answer
             self._tracked.pop(request_id, None)
+            self.state.forget(request_id)
             message = f"engine: {type(exc).__name__}: {exc}"
             await self._events.put(TokenEvent(request_id, "", 0, False, True, "error", message))
 
@@ -310,12 +370,33 @@ class VllmEngine:
         reason = _finish_reason(completion.finish_reason) if finished else None
         if finished:
             self._tracked.pop(request_id, None)
+            self.state.forget(request_id)
         self._events.put_nowait(TokenEvent(request_id, new_text, max(0, num_new_tokens), is_first, finished, reason))
 
     def shutdown(self) -> None:
         """Stop vLLM's engine-core and worker processes."""
         with contextlib.suppress(Exception):
             self.engine.shutdown()
+        if self._state_socket is not None:
+            self._state_socket.close()
+
+
+def _bind_state_socket() -> tuple[Any, str]:
+    """A socket for the engine core's snapshots (the latest one kept) and its endpoint:
+    an abstract Unix socket, private to this process's network namespace and gone with it."""
+    import zmq
+
+    endpoint = f"ipc://@blockq-vllm-state-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    socket = zmq.Context.instance().socket(zmq.PULL)
+    socket.setsockopt(zmq.CONFLATE, 1)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(endpoint)
+    return socket, endpoint
+
+
+def _progress_item(spec: EngineRequestSpec, num_computed: int, num_generated: int) -> RequestProgress:
+    return RequestProgress(spec.request_id, spec.prompt_tokens, num_computed, num_generated,
+                           spec.predicted_output_tokens, spec.p90_tokens)
 
 
 def _finish_reason(reason: str | None) -> str:

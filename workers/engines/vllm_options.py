@@ -15,6 +15,9 @@ from typing import Any
 
 from blockq.local.vllm_sizing import DEFAULT_MAX_NUM_SEQS, KV_CACHE_ENV
 
+# vLLM-CPU's list of cores for its OpenMP kernel threads (vllm/envs.py; default: auto).
+CPU_THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
 
 @dataclass(frozen=True)
 class VllmEngineOptions:
@@ -24,7 +27,9 @@ class VllmEngineOptions:
     ``VLLM_CPU_KVCACHE_SPACE`` in the environment, :meth:`apply_to_environment`);
     ``gpu_memory_utilization`` is the fraction of device memory (on CPU: of the node's)
     vLLM may take. ``enable_prefix_caching`` True turns vLLM's prefix cache on (None:
-    vLLM's default, on in V1 for most models; the beats' engine config says which)."""
+    vLLM's default, on in V1 for most models; the beats' engine config says which).
+    ``cpu_core``: on the CPU backend, the one core vLLM runs its kernels on (instances
+    sharing a node then do not share cores; None: vLLM's own binding)."""
 
     model: str | None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -35,6 +40,7 @@ class VllmEngineOptions:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
+    cpu_core: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -46,6 +52,8 @@ class VllmEngineOptions:
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0.0 < utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1] (got {utilization})")
+        if self.cpu_core is not None and self.cpu_core < 0:
+            raise ValueError(f"cpu_core: must be >= 0 (got {self.cpu_core})")
 
     @classmethod
     def from_args(cls, args: Any, enable_prefix_caching: bool | None = None) -> VllmEngineOptions:
@@ -55,15 +63,19 @@ class VllmEngineOptions:
                    max_model_len=args.max_model_len, block_size=args.block_size,
                    kv_cache_bytes=args.kv_cache_bytes,
                    gpu_memory_utilization=args.gpu_memory_utilization,
-                   enforce_eager=args.enforce_eager, enable_prefix_caching=enable_prefix_caching)
+                   enforce_eager=args.enforce_eager, enable_prefix_caching=enable_prefix_caching,
+                   cpu_core=getattr(args, "cpu_core", None))
 
     def apply_to_environment(self, environ: Any = os.environ) -> None:
         """Drop ``VLLM_CPU_KVCACHE_SPACE`` when a KV cache size is given: vLLM-CPU lets it
         replace ``kv_cache_memory_bytes`` (vllm/platforms/cpu.py, check_and_update_config),
-        and the option, chosen for this instance, must win. Call before building the engine
-        (its engine-core process inherits the environment)."""
+        and the option, chosen for this instance, must win; bind vLLM-CPU's kernel threads
+        to ``cpu_core``. Call before building the engine (its engine-core process inherits
+        the environment)."""
         if self.kv_cache_bytes is not None:
             environ.pop(KV_CACHE_ENV, None)
+        if self.cpu_core is not None:
+            environ[CPU_THREADS_BIND_ENV] = str(self.cpu_core)
 
     def engine_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {
@@ -101,3 +113,6 @@ def add_vllm_engine_arguments(parser: Any, for_one_engine: bool = False) -> None
     else:
         vllm.add_argument("--enforce-eager", action="store_true",
                           help="no CUDA graphs / compilation (faster start-up)")
+        vllm.add_argument("--cpu-core", type=int, default=None,
+                          help="CPU backend: run vLLM's kernels on this one core (`up --pin-cores` gives "
+                               "instance K core K modulo the node's cores)")
