@@ -184,6 +184,9 @@ def test_pinned_vllm_instances_each_get_a_core_of_their_own(monkeypatch: pytest.
     cores = [argv[argv.index("--cpu-core") + 1] for argv in worker_argvs(config)]
     assert cores == ["0", "1", "0"]  # instance K on core K modulo the node's cores
     assert all("--cpu-core" not in argv for argv in worker_argvs(config.with_overrides(vllm_pin_cores=False)))
+    # a measured profile reaches the vLLM workers: the latency model they publish
+    profiled = worker_argvs(config.with_overrides(preset="/profiles/tiny.json"))[0]
+    assert profiled[profiled.index("--profile") + 1] == "/profiles/tiny.json"
 
 
 def test_bench_passes_vllm_options_to_up_and_draws_a_sample_per_seed() -> None:

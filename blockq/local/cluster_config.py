@@ -21,7 +21,9 @@ through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or com
 for a fast start-up; ``vllm_pin_cores = true``: on the CPU backend instance K runs its
 kernels on core K modulo the node's cores); on a CPU node ``blockq up`` chooses the block size and KV cache size
 that are not set, from the node's free memory (:meth:`ClusterConfig.vllm_wanted`,
-blockq/local/vllm_sizing.py), and ``preset``, ``time_scale`` and ``noise`` (the emulated engine's) are not used.
+blockq/local/vllm_sizing.py); a ``preset`` that is a measured PROFILE.json (``blockq profile``)
+is the latency model the instances publish, and ``time_scale`` and ``noise`` (the emulated
+engine's) are not used.
 
 ``prefix_caching = true`` turns on every instance's prefix cache (``workers
 --prefix-caching``): the emulated engines reuse cached prompt blocks and count hits; vLLM
@@ -333,6 +335,8 @@ class ClusterConfig:
         if self.engine == "emulated":
             return ["--preset", self.preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise), *prefix]
         argv = ["--engine", "vllm", "--model", str(self.model), *prefix]
+        if self.preset.endswith(".json"):  # a measured profile: the latency model the instances publish
+            argv += ["--profile", self.preset]
         for option, value in (("--block-size", self.vllm_block_size), ("--kv-cache-bytes", self.vllm_kv_cache_bytes),
                               ("--gpu-memory-utilization", self.vllm_gpu_memory_utilization),
                               ("--max-model-len", self.vllm_max_model_len),
