@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from blockq.client import AsyncClient, AsyncHandle, Overloaded
 from blockq.wire.beats import decode_heartbeat
@@ -98,13 +98,18 @@ async def _submit_and_wait(client: AsyncClient, request: TraceRequest, offset_s:
             trace_predicted_output_tokens=request.predicted_output_tokens,
             trace_output_text=request.output_text)
         final = await handle.result(timeout_s=options.request_timeout_s)
+        placement = await handle.placement(timeout_s=0)
     except Overloaded:
         return failed_record(request, offset_s, "overloaded")
     except TimeoutError:
         return failed_record(request, offset_s, "timeout")
     except ValidationError as exc:
         return failed_record(request, offset_s, f"invalid: {exc}")
-    return record_of(handle.id, request, offset_s, final)
+    decided_after_ms = None
+    if placement is not None:
+        decided_after_ms = max(0.0, (placement.decided_at_s - handle.request.submitted_at_s) * 1000
+                               / options.time_scale)
+    return replace(record_of(handle.id, request, offset_s, final), decided_after_ms=decided_after_ms)
 
 
 def record_of(request_id: str, request: TraceRequest, offset_s: float, final: FinalRecord) -> RequestRecord:
