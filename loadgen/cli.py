@@ -81,6 +81,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         vllm.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
     vllm.add_argument("--enforce-eager", action="store_true", help="vLLM without graph capture or compilation")
     vllm.add_argument("--pin-cores", action="store_true", help="vLLM on CPU: each instance's kernels on its own core")
+    vllm.add_argument("--engine-nice", type=int, default=0,
+                      help="run the engines this many steps nicer, so that on a small shared machine they "
+                           "yield to the dispatcher, Redis and the load generator")
 
 
 def _engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -97,7 +100,8 @@ def _engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
         if value is not None:
             flags += [option, str(value)]
     flags += ["--enforce-eager"] if args.enforce_eager else []
-    return (*flags, *(["--pin-cores"] if args.pin_cores else []))
+    flags += ["--pin-cores"] if args.pin_cores else []
+    return (*flags, *(["--engine-nice", str(args.engine_nice)] if args.engine_nice else []))
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from redis.exceptions import RedisError
+
 from blockq.client import AsyncClient, AsyncHandle, Overloaded
 from blockq.wire.beats import decode_heartbeat
 from blockq.wire.health import InstanceState
@@ -105,6 +107,8 @@ async def _submit_and_wait(client: AsyncClient, request: TraceRequest, offset_s:
         return failed_record(request, offset_s, "timeout")
     except ValidationError as exc:
         return failed_record(request, offset_s, f"invalid: {exc}")
+    except RedisError as exc:  # one request lost to the load generator's own connection, not the run
+        return failed_record(request, offset_s, f"redis: {type(exc).__name__}: {exc}")
     decided_after_ms = None
     if placement is not None:
         decided_after_ms = max(0.0, (placement.decided_at_s - handle.request.submitted_at_s) * 1000
@@ -137,7 +141,11 @@ async def _follow_heartbeats(client: AsyncClient, started_s: float, time_scale: 
     last_id = "$"
     stream = client.settings.keys.heartbeats
     while not stop.is_set():
-        reply = await client.redis.xread({stream: last_id}, count=1000, block=200)
+        try:
+            reply = await client.redis.xread({stream: last_id}, count=1000, block=200)
+        except RedisError:  # the samples of a moment are lost; the replay goes on
+            await asyncio.sleep(0.2)
+            continue
         if not reply:
             continue
         now_s = (time.monotonic() - started_s) / time_scale

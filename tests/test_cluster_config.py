@@ -187,6 +187,10 @@ def test_pinned_vllm_instances_each_get_a_core_of_their_own(monkeypatch: pytest.
     # a measured profile reaches the vLLM workers: the latency model they publish
     profiled = worker_argvs(config.with_overrides(preset="/profiles/tiny.json"))[0]
     assert profiled[profiled.index("--profile") + 1] == "/profiles/tiny.json"
+    niced = worker_argvs(config.with_overrides(engine_nice=10))[0]
+    assert niced[niced.index("--nice") + 1] == "10" and "--nice" not in worker_argvs(config)[0]
+    with pytest.raises(ConfigError, match="engine_nice"):
+        config.with_overrides(engine_nice=20)
 
 
 def test_bench_passes_vllm_options_to_up_and_draws_a_sample_per_seed() -> None:
@@ -196,11 +200,12 @@ def test_bench_passes_vllm_options_to_up_and_draws_a_sample_per_seed() -> None:
 
     args = build_parser().parse_args([
         "bench", "--engine", "vllm", "--model", "/models/tiny", "--max-num-seqs", "16", "--block-size", "32",
-        "--max-model-len", "2048", "--enforce-eager", "--pin-cores", "--seeds", "1,2", "--requests", "20"])
+        "--max-model-len", "2048", "--enforce-eager", "--pin-cores", "--engine-nice", "10", "--seeds", "1,2",
+        "--requests", "20"])
     config = config_from_args(args)
     assert config.engine == "vllm" and config.all_seeds == (1, 2) and config.max_model_len == 2048
     assert config.engine_flags == ("--model", "/models/tiny", "--block-size", "32", "--max-model-len", "2048",
-                                   "--max-num-seqs", "16", "--enforce-eager", "--pin-cores")
+                                   "--max-num-seqs", "16", "--enforce-eager", "--pin-cores", "--engine-nice", "10")
     first, second = (load_requests(replace(config, seed=seed)) for seed in (1, 2))
     assert len(first) == len(second) == 20 and [r.prompt for r in first] != [r.prompt for r in second]
     with pytest.raises(SystemExit, match="--model"):

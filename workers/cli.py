@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests' remaining lengths refined from their partial output")
     parser.add_argument("--refine-every-tokens", type=int, default=DEFAULT_REFINE_EVERY_TOKENS,
                         help="ask for a refinement every this many generated tokens")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="lower this process's CPU priority (and its engine's processes') by N: on a node "
+                             "shared with the dispatcher, Redis and clients, the engines yield to them")
     add_metrics_arguments(parser)  # one server for every instance of the process (label instance_id)
     add_vllm_engine_arguments(parser)
 
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--instances: must be >= 1")
     ids = instance_ids(args)
     endpoint = metrics_endpoint_from_args(args)
+    if args.nice:
+        os.nice(args.nice)  # before the engine starts: vLLM's processes inherit it
 
     async def main(stop: asyncio.Event) -> None:
         client = connect_async(settings.redis_url, max_connections=64 * len(ids))

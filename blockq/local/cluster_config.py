@@ -19,7 +19,9 @@ one instance per worker process; ``vllm_block_size``, ``vllm_kv_cache_bytes``,
 ``vllm_gpu_memory_utilization``, ``vllm_max_model_len`` and ``vllm_max_num_seqs`` pass
 through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or compilation,
 for a fast start-up; ``vllm_pin_cores = true``: on the CPU backend instance K runs its
-kernels on core K modulo the node's cores); on a CPU node ``blockq up`` chooses the block size and KV cache size
+kernels on core K modulo the node's cores); ``engine_nice = N`` runs the workers and their
+engines N steps nicer, so that on a node they share with the dispatcher, Redis and clients
+(a small CPU machine) the engines yield to those; on a CPU node ``blockq up`` chooses the block size and KV cache size
 that are not set, from the node's free memory (:meth:`ClusterConfig.vllm_wanted`,
 blockq/local/vllm_sizing.py); a ``preset`` that is a measured PROFILE.json (``blockq profile``)
 is the latency model the instances publish, and ``time_scale`` and ``noise`` (the emulated
@@ -105,6 +107,7 @@ class ClusterConfig:
     vllm_max_num_seqs: int | None = None
     vllm_enforce_eager: bool = False
     vllm_pin_cores: bool = False
+    engine_nice: int = 0  # workers (and their engines' processes) run this much nicer
     prefix_caching: bool = False
     autoscale: AutoscaleOptions | None = None
     metrics_base_port: int = DEFAULT_METRICS_BASE_PORT
@@ -122,6 +125,8 @@ class ClusterConfig:
             raise ConfigError(f"time_scale: must be in (0, 1000] (got {self.time_scale})")
         if not 0 <= self.noise <= 1:
             raise ConfigError(f"noise: must be in [0, 1] (got {self.noise})")
+        if not 0 <= self.engine_nice <= 19:
+            raise ConfigError(f"engine_nice: must be between 0 and 19 (got {self.engine_nice})")
         if not 1 <= self.gateway_port <= 65535:
             raise ConfigError(f"gateway_port: must be a TCP port (got {self.gateway_port})")
         check_maxmemory(self.redis_maxmemory)
@@ -302,6 +307,7 @@ class ClusterConfig:
         return (name, (
             "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
             "--first-index", str(first_index), *self._engine_argv(process_index), "--seed", str(self.seed),
+            *(["--nice", str(self.engine_nice)] if self.engine_nice else []),
             *self._refine_argv(), *self._metrics_argv(name)))
 
     def _refine_argv(self) -> list[str]:

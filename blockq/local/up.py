@@ -89,6 +89,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         p.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
     p.add_argument("--enforce-eager", dest="vllm_enforce_eager", action="store_true", default=None,
                    help="vLLM without graph capture or compilation (a fast start-up)")
+    p.add_argument("--engine-nice", type=int, default=None,
+                   help="run the workers and their engines this many steps nicer (a node shared with the "
+                        "dispatcher, Redis and clients: the engines yield to them)")
     p.add_argument("--pin-cores", dest="vllm_pin_cores", action="store_true", default=None,
                    help="vLLM on CPU: instance K runs its kernels on core K modulo the node's cores "
                         "(instances do not share cores)")
@@ -137,7 +140,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         redis_maxmemory=args.redis_maxmemory, engine=args.engine, model=args.model,
         metrics_base_port=args.metrics_base_port, metrics_host=args.metrics_host,
         refine_model=args.refine_model, refine_every_tokens=args.refine_every_tokens,
-        prefix_caching=args.prefix_caching,
+        prefix_caching=args.prefix_caching, engine_nice=args.engine_nice,
         **{name: value for name, value in vars(args).items() if name.startswith("vllm_")})
 
 
