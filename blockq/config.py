@@ -76,6 +76,8 @@ def validate_redis_url(url: str, key_prefix: str | None = None) -> str:
 # The predictor's HTTP API token (``/predict``, ``/refine``): the predictor requires it, the
 # workers that ask it for refinements send it; both read it from this variable.
 PREDICTOR_HTTP_TOKEN_ENV = "BLOCKQ_PREDICTOR_HTTP_TOKEN"
+# The API key of the vLLM servers `--engine vllm-http` workers drive (`vllm serve --api-key`).
+VLLM_HTTP_API_KEY_ENV = "BLOCKQ_VLLM_HTTP_API_KEY"
 
 
 @dataclass(frozen=True)

@@ -72,10 +72,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """``blockq bench``'s engines: emulated, or real vLLM engines with ``up``'s options."""
     from blockq.local.up import VLLM_UP_OPTIONS
 
-    parser.add_argument("--engine", choices=["emulated", "vllm"], default="emulated",
+    parser.add_argument("--engine", choices=["emulated", "vllm", "vllm-http"], default="emulated",
                         help="the instances' engine; vllm: real engines on --model (--preset PROFILE.json: "
-                             "the latency model they publish, from `blockq profile`)")
+                             "the latency model they publish, from `blockq profile`); vllm-http: the running "
+                             "vLLM servers of --url, one instance each")
     parser.add_argument("--model", default=None, help="--engine vllm: the model directory")
+    parser.add_argument("--url", default=None, help="--engine vllm-http: the servers, URL[,URL...]")
     vllm = parser.add_argument_group("--engine vllm (passed to `blockq up`)")
     for option, kind, text in VLLM_UP_OPTIONS:
         vllm.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
@@ -88,8 +90,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """The `blockq up` flags of the engine options :func:`add_engine_arguments` added."""
-    if getattr(args, "engine", "emulated") == "emulated":
+    engine = getattr(args, "engine", "emulated")
+    if engine == "emulated":
         return ()
+    if engine == "vllm-http":
+        if not args.url:
+            raise SystemExit("bench: --engine vllm-http needs --url URL[,URL...]")
+        seqs = ["--max-num-seqs", str(args.vllm_max_num_seqs)] if args.vllm_max_num_seqs else []
+        return ("--url", args.url, *seqs)
     if not args.model:
         raise SystemExit("bench: --engine vllm needs --model DIR")
     from blockq.local.up import VLLM_UP_OPTIONS

@@ -17,7 +17,11 @@ import sys
 
 import structlog
 
-from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, PREDICTOR_HTTP_TOKEN_ENV
+from blockq.config import (
+    DEFAULT_REFINE_EVERY_TOKENS,
+    PREDICTOR_HTTP_TOKEN_ENV,
+    VLLM_HTTP_API_KEY_ENV,
+)
 from blockq.engine_model.measured_profile import load_profile
 from blockq.local.cluster_config import WILL_NOT_START_EXIT_CODE, WILL_NOT_START_MARKER
 from blockq.runtime.metrics_server import (
@@ -41,7 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instances", type=int, default=None,
                         help="serve N instances from this process (one asyncio task each), ids ID-i")
     parser.add_argument("--first-index", type=int, default=0, help="index of the first instance with --instances")
-    parser.add_argument("--engine", choices=["emulated", "vllm"], default="emulated")
+    parser.add_argument("--engine", choices=["emulated", "vllm", "vllm-http"], default="emulated",
+                        help="vllm-http: drive the vLLM server at --url over its OpenAI API "
+                             "(its API key, if any, in BLOCKQ_VLLM_HTTP_API_KEY)")
+    parser.add_argument("--url", default=None, help="--engine vllm-http: the server, http://host:port")
     parser.add_argument("--preset", "--profile", dest="preset", default="llama2-7b-a30",
                         help="engine preset or measured PROFILE.json (blockq profile): the emulated "
                              "engine's; a vLLM engine publishes a profile's latency model in its beats")
@@ -74,12 +81,21 @@ def instance_ids(args: argparse.Namespace) -> list[str]:
 
 
 def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine protocol
+    profile = load_profile(args.preset) if args.preset.endswith(".json") else None
+    if args.engine == "vllm-http":
+        from workers.engines.vllm_http import VllmHttpEngine, VllmHttpOptions
+
+        if not args.url:
+            raise SystemExit("--engine vllm-http needs --url http://host:port")
+        options = VllmHttpOptions(args.url, max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  api_key=os.environ.get(VLLM_HTTP_API_KEY_ENV) or None)
+        return VllmHttpEngine(options, profile_latency_model=profile.latency_model if profile else None)
     if args.engine == "vllm":
         from workers.engines.vllm import VllmEngine, kill_engine_processes_on_exit
 
         kill_engine_processes_on_exit()
         options = VllmEngineOptions.from_args(args, enable_prefix_caching=True if args.prefix_caching else None)
-        profile = load_profile(args.preset) if args.preset.endswith(".json") else None
         return VllmEngine(options, profile_latency_model=profile.latency_model if profile else None)
     from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 

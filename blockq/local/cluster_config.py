@@ -14,7 +14,9 @@ Example ``cluster.toml``::
     gateway_allow_unauthenticated = false   # needed to bind a non-loopback host without API keys
     redis_maxmemory = "1gb"   # embedded Redis only; noeviction: writes fail when it is full
 
-With ``engine = "vllm"`` the instances run vLLM on ``model`` (a path or model name),
+With ``engine = "vllm-http"`` each instance is a worker driving the running vLLM server at
+one of ``vllm_urls`` over its OpenAI API (``instances`` = their number; ``vllm_max_num_seqs``
+should be the servers'). With ``engine = "vllm"`` the instances run vLLM on ``model`` (a path or model name),
 one instance per worker process; ``vllm_block_size``, ``vllm_kv_cache_bytes``,
 ``vllm_gpu_memory_utilization``, ``vllm_max_model_len`` and ``vllm_max_num_seqs`` pass
 through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or compilation,
@@ -67,7 +69,7 @@ from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, METRICS_OFF, AutoscaleOpt
 from blockq.local.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
 from blockq.local.vllm_sizing import VllmSizing, VllmWanted
 
-ENGINES = ("emulated", "vllm")
+ENGINES = ("emulated", "vllm", "vllm-http")
 DEFAULT_METRICS_BASE_PORT = 9400
 # Port offsets from metrics_base_port: the services first, then one per worker process.
 METRICS_PORT_OFFSETS = {"dispatcher": 0, "predictor": 1}
@@ -108,6 +110,7 @@ class ClusterConfig:
     vllm_enforce_eager: bool = False
     vllm_pin_cores: bool = False
     engine_nice: int = 0  # workers (and their engines' processes) run this much nicer
+    vllm_urls: tuple[str, ...] = ()  # engine vllm-http: one instance a server
     prefix_caching: bool = False
     autoscale: AutoscaleOptions | None = None
     metrics_base_port: int = DEFAULT_METRICS_BASE_PORT
@@ -143,6 +146,12 @@ class ClusterConfig:
             raise ConfigError(f"engine: must be one of {', '.join(ENGINES)} (got {self.engine!r})")
         if self.engine == "vllm" and not self.model:
             raise ConfigError("model: required with engine vllm (a model path or name)")
+        if self.engine == "vllm-http":
+            if not self.vllm_urls:
+                raise ConfigError("vllm_urls: required with engine vllm-http (the servers, http://host:port)")
+            if self.instances != len(self.vllm_urls):
+                raise ConfigError(f"instances: must be the number of vllm_urls with engine vllm-http "
+                                  f"({len(self.vllm_urls)}; got {self.instances})")
         if not isinstance(self.prefix_caching, bool):
             raise ConfigError(f"prefix_caching: must be true or false (got {self.prefix_caching!r})")
         for name in ("vllm_block_size", "vllm_kv_cache_bytes", "vllm_max_model_len", "vllm_max_num_seqs"):
@@ -225,7 +234,7 @@ class ClusterConfig:
         vLLM, whose engine owns its own engine-core process and GPU memory (one engine
         per process keeps a crash or an out-of-memory error to one instance), and one
         under autoscale (the supervisor starts and drains instances one by one)."""
-        return 1 if self.engine == "vllm" or self.autoscale is not None else self.instances_per_process
+        return 1 if self.engine != "emulated" or self.autoscale is not None else self.instances_per_process
 
     @property
     def num_worker_processes(self) -> int:
@@ -340,9 +349,11 @@ class ClusterConfig:
         prefix = ["--prefix-caching"] if self.prefix_caching else []
         if self.engine == "emulated":
             return ["--preset", self.preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise), *prefix]
-        argv = ["--engine", "vllm", "--model", str(self.model), *prefix]
-        if self.preset.endswith(".json"):  # a measured profile: the latency model the instances publish
-            argv += ["--profile", self.preset]
+        profile = ["--profile", self.preset] if self.preset.endswith(".json") else []  # the latency model published
+        if self.engine == "vllm-http":
+            limits = [] if self.vllm_max_num_seqs is None else ["--max-num-seqs", str(self.vllm_max_num_seqs)]
+            return ["--engine", "vllm-http", "--url", self.vllm_urls[process_index], *profile, *limits]
+        argv = ["--engine", "vllm", "--model", str(self.model), *prefix, *profile]
         for option, value in (("--block-size", self.vllm_block_size), ("--kv-cache-bytes", self.vllm_kv_cache_bytes),
                               ("--gpu-memory-utilization", self.vllm_gpu_memory_utilization),
                               ("--max-model-len", self.vllm_max_model_len),

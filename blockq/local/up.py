@@ -82,8 +82,11 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", default=None, help="objective of the block policy: e2e | ttft | max_latency")
     p.add_argument("--preset", default=None, help="engine preset (default llama2-7b-a30)")
     p.add_argument("--time-scale", type=float, default=None, help="wall seconds per model second (default 1)")
-    p.add_argument("--engine", choices=["emulated", "vllm"], default=None,
-                   help="engine of every instance (default emulated)")
+    p.add_argument("--engine", choices=["emulated", "vllm", "vllm-http"], default=None,
+                   help="engine of every instance (default emulated); vllm-http: a worker per running vLLM "
+                        "server of --url")
+    p.add_argument("--url", dest="vllm_urls", type=_urls, default=None, metavar="URL[,URL...]",
+                   help="--engine vllm-http: the vLLM servers (http://host:port), one instance each")
     p.add_argument("--model", default=None, help="model path or name (required with --engine vllm)")
     for option, kind, text in VLLM_UP_OPTIONS:
         p.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
@@ -125,10 +128,16 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_up)
 
 
+def _urls(text: str) -> tuple[str, ...]:
+    return tuple(url.strip() for url in text.split(",") if url.strip())
+
+
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     base = ClusterConfig.from_toml(args.config) if args.config else ClusterConfig()
     autoscale = _autoscale_options(args, base.autoscale)
     instances = args.instances
+    if instances is None and args.vllm_urls:
+        instances = len(args.vllm_urls)  # one instance a server
     if autoscale is not None and instances is None and "instances" not in (
             ClusterConfig.toml_section(args.config) if args.config else {}):
         instances = autoscale.min_instances  # the fleet starts small and grows on demand

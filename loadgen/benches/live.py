@@ -76,8 +76,8 @@ class BenchConfig:
             raise ValueError("requests: must be >= 1")
         if not self.think_time_s >= 0:
             raise ValueError("think_time_s: must be >= 0 seconds")
-        if self.engine not in ("emulated", "vllm"):
-            raise ValueError(f"engine: must be emulated or vllm (got {self.engine!r})")
+        if self.engine not in ("emulated", "vllm", "vllm-http"):
+            raise ValueError(f"engine: must be emulated, vllm or vllm-http (got {self.engine!r})")
 
     @property
     def all_seeds(self) -> tuple[int, ...]:

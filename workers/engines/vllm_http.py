@@ -1,0 +1,306 @@
+"""An engine that drives a vLLM server already running (``vllm serve``) over its OpenAI API.
+
+Most fleets run vLLM's OpenAI server in pods; this engine lets a blockq worker sit beside
+one instead of replacing it with an embedded engine (``blockq worker --engine vllm-http
+--url URL``). What it can see, and from where:
+
+- **engine config**: the server's ``/v1/models`` (the served model's id and
+  ``max_model_len``) and its ``/metrics`` ``vllm:cache_config_info`` (``num_gpu_blocks``,
+  ``block_size``, ``enable_prefix_caching``); the scheduler's limits are not published,
+  so ``max_num_seqs`` and ``max_num_batched_tokens`` are the worker's options, set to the
+  server's own;
+- **tokens**: each request is one streamed ``/v1/completions`` call (text or token ids,
+  vLLM's ``ignore_eos`` / ``min_tokens`` extensions, ``continuous_usage_stats`` so every
+  chunk says how many tokens have come);
+- **what it cannot see**, read from ``/metrics`` every :data:`METRICS_PERIOD_S`: how many
+  requests run and wait, KV usage, preemptions, prefix-cache queries and hits. The replica's
+  per-request state is built from what this worker sent and saw streamed back: the counts
+  are laid over arrival order (vLLM's FCFS order), a running request having computed its
+  prompt and its tokens but the last;
+- **no step samples**: the server's steps are not visible, so the dispatcher's latency
+  model is a profile's (``--profile``) or its prior, never refitted from this instance.
+
+Nothing here imports vLLM: the worker needs only HTTP access to the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from blockq.engine_model.latency import StepLatencyModel
+from blockq.wire.beats import RequestProgress
+from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+
+METRICS_PERIOD_S = 0.25
+CONNECT_TIMEOUT_S = 10.0
+
+
+class ServerUnavailable(RuntimeError):
+    """The server did not answer its start-up reads (``/v1/models``, ``/metrics``)."""
+
+
+@dataclass
+class ServerMetrics:
+    """What the server's ``/metrics`` said last (sums over its engines)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    cache_config: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> ServerMetrics:
+        """vLLM's Prometheus text (``vllm:`` names; counters end ``_total``)."""
+        values: dict[str, float] = {}
+        cache_config: dict[str, str] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:cache_config_info":
+                    cache_config = dict(sample.labels)
+                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+        return cls(num_running=int(values.get("vllm:num_requests_running", 0)),
+                   num_waiting=int(values.get("vllm:num_requests_waiting", 0)),
+                   kv_cache_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
+                   num_preemptions_total=int(values.get("vllm:num_preemptions_total", 0)),
+                   prefix_cache_queries_total=int(values.get("vllm:prefix_cache_queries_total", 0)),
+                   prefix_cache_hits_total=int(values.get("vllm:prefix_cache_hits_total", 0)),
+                   cache_config=cache_config)
+
+
+@dataclass(frozen=True)
+class VllmHttpOptions:
+    """The server's URL (``http://host:port``, no ``/v1``); its scheduler's limits, which it
+    does not publish; an API key when the server wants one (``vllm serve --api-key``)."""
+
+    url: str
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url: must be http(s)://host:port (got {self.url!r})")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+
+
+def _get(url: str, api_key: str | None) -> str:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=CONNECT_TIMEOUT_S) as response:
+            return response.read().decode()
+    except OSError as exc:
+        raise ServerUnavailable(f"vllm-http: {url}: {exc}") from exc
+
+
+@dataclass
+class _Tracked:
+    spec: EngineRequestSpec
+    num_tokens_seen: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class VllmHttpEngine:
+    """Implements :class:`workers.engines.base.Engine` over a vLLM server's HTTP API."""
+
+    preset = "vllm"
+    time_scale = 1.0
+
+    def __init__(self, options: VllmHttpOptions, profile_latency_model: StepLatencyModel | None = None) -> None:
+        self.options = options
+        base = options.url.rstrip("/")
+        models = json.loads(_get(f"{base}/v1/models", options.api_key))["data"]
+        if not models:
+            raise ServerUnavailable(f"vllm-http: {base}/v1/models lists no model")
+        self.served_model = str(models[0]["id"])
+        self.model = f"vllm:{models[0].get('root') or self.served_model}"
+        self.metrics = ServerMetrics.parse(_get(f"{base}/metrics", options.api_key))
+        cache = self.metrics.cache_config
+        self._config = {
+            "num_gpu_blocks": int(float(cache.get("num_gpu_blocks") or 0)),
+            "block_size": int(float(cache.get("block_size") or 16)),
+            "max_num_seqs": options.max_num_seqs, "max_num_batched_tokens": options.max_num_batched_tokens,
+            "max_model_len": int(models[0].get("max_model_len") or 4096), "watermark": 0.0,
+            "enable_prefix_caching": cache.get("enable_prefix_caching") == "True"}
+        self._latency_model = profile_latency_model.to_dict() if profile_latency_model else None
+        self._base = base
+        self._tracked: dict[str, _Tracked] = {}  # in arrival order
+        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._origin_s = time.monotonic()
+        self._session: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    # --- what the beats carry -------------------------------------------------------------
+
+    def engine_config(self) -> dict[str, Any]:
+        return self._config
+
+    def latency_model(self) -> dict[str, Any] | None:
+        return self._latency_model
+
+    def engine_stats(self) -> dict[str, Any]:
+        metrics = self.metrics
+        return {"num_running_reqs": metrics.num_running, "num_waiting_reqs": metrics.num_waiting,
+                "kv_cache_usage": round(metrics.kv_cache_usage, 4),
+                "num_preemptions_total": metrics.num_preemptions_total,
+                "prefix_cache_queries_total": metrics.prefix_cache_queries_total,
+                "prefix_cache_hits_total": metrics.prefix_cache_hits_total}
+
+    def model_time_s(self) -> float:
+        return time.monotonic() - self._origin_s
+
+    def state_time_s(self) -> float:
+        return self.model_time_s()
+
+    def progress(self) -> tuple[list[RequestProgress], list[RequestProgress], int]:
+        running: list[RequestProgress] = []
+        waiting: list[RequestProgress] = []
+        for tracked in self._tracked.values():
+            spec = tracked.spec
+            is_running = len(running) < self.metrics.num_running
+            num_generated = tracked.num_tokens_seen
+            num_computed = spec.prompt_tokens + num_generated - 1 if is_running and num_generated else 0
+            (running if is_running else waiting).append(RequestProgress(
+                spec.request_id, spec.prompt_tokens, num_computed, num_generated,
+                spec.predicted_output_tokens, spec.p90_tokens))
+        return running, waiting, round(self.metrics.kv_cache_usage * self._config["num_gpu_blocks"])
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def validate(self, spec: EngineRequestSpec) -> str | None:
+        max_model_len = self._config["max_model_len"]
+        if spec.prompt_tokens >= max_model_len:
+            return f"prompt: {spec.prompt_tokens} tokens leave no room within max_model_len {max_model_len}"
+        return None
+
+    def add_request(self, spec: EngineRequestSpec) -> None:
+        tracked = _Tracked(spec)
+        self._tracked[spec.request_id] = tracked
+        tracked.task = asyncio.get_running_loop().create_task(self._consume(tracked))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Closing the stream is vLLM's abort: the server stops the request when its client goes."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return False
+        if tracked.task is not None:
+            tracked.task.cancel()
+        return True
+
+    def num_admittable(self) -> int:
+        return max(0, self._config["max_num_seqs"] - len(self._tracked))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked) or not self._events.empty()
+
+    async def step(self) -> EngineStepOutput:
+        """Wait for the next tokens (up to 50 ms) and return everything streamed so far."""
+        self._start()
+        events: list[TokenEvent] = []
+        with contextlib.suppress(TimeoutError):
+            events.append(await asyncio.wait_for(self._events.get(), timeout=0.05))
+        while not self._events.empty():
+            events.append(self._events.get_nowait())
+        return EngineStepOutput(tuple(events), (), self.model_time_s())
+
+    def shutdown(self) -> None:
+        for tracked in self._tracked.values():
+            if tracked.task is not None:
+                tracked.task.cancel()
+        if self._poller is not None:
+            self._poller.cancel()
+        if self._session is not None and not self._session.closed:
+            with contextlib.suppress(RuntimeError):  # no loop left: the process is ending
+                asyncio.get_running_loop().create_task(self._session.close())
+
+    # --- I/O --------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._session is None:
+            headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
+            self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=CONNECT_TIMEOUT_S))
+            self._poller = asyncio.get_running_loop().create_task(self._poll_metrics())
+
+    async def _poll_metrics(self) -> None:
+        assert self._session is not None
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                async with self._session.get(f"{self._base}/metrics") as response:
+                    self.metrics = ServerMetrics.parse(await response.text())
+            await asyncio.sleep(METRICS_PERIOD_S)
+
+    def _body(self, spec: EngineRequestSpec) -> dict[str, Any]:
+        max_tokens = spec.max_tokens
+        if spec.true_output_tokens is not None:  # a trace replay: the trace's length
+            max_tokens = min(max_tokens, spec.true_output_tokens)
+        prompt: Any = spec.prompt if isinstance(spec.prompt, str) else list(spec.prompt)
+        return {"model": self.served_model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": spec.temperature, "top_p": spec.top_p, "stop": list(spec.stop) or None,
+                "ignore_eos": spec.ignore_eos, "min_tokens": min(spec.min_tokens, max_tokens), "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+    async def _consume(self, tracked: _Tracked) -> None:
+        self._start()
+        assert self._session is not None
+        request_id = tracked.spec.request_id
+        try:
+            async with self._session.post(f"{self._base}/v1/completions", json=self._body(tracked.spec)) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:500]}")
+                async for chunk in _sse_chunks(response.content):
+                    self._on_chunk(tracked, chunk)
+            if request_id in self._tracked:  # the stream ended without a finish reason
+                raise RuntimeError("the stream ended before the request finished")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the server's refusal or failure is this request's answer
+            if self._tracked.pop(request_id, None) is not None:
+                message = f"engine: {type(exc).__name__}: {exc}"
+                await self._events.put(TokenEvent(request_id, "", 0, False, True, "error", message))
+
+    def _on_chunk(self, tracked: _Tracked, chunk: dict[str, Any]) -> None:
+        choices = chunk.get("choices") or []
+        usage = chunk.get("usage") or {}
+        if not choices:
+            return  # the last, usage-only chunk
+        choice = choices[0]
+        num_tokens = int(usage.get("completion_tokens", tracked.num_tokens_seen + 1))
+        num_new = max(0, num_tokens - tracked.num_tokens_seen)
+        finish_reason = choice.get("finish_reason")
+        finished = finish_reason is not None
+        if num_new == 0 and not finished:
+            return
+        is_first = tracked.num_tokens_seen == 0 and num_new > 0
+        tracked.num_tokens_seen = num_tokens
+        if finished:
+            self._tracked.pop(tracked.spec.request_id, None)
+        reason = finish_reason if finish_reason in ("stop", "length") else ("stop" if finished else None)
+        self._events.put_nowait(TokenEvent(tracked.spec.request_id, choice.get("text") or "", num_new, is_first,
+                                           finished, reason))
+
+
+async def _sse_chunks(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a server-sent event stream, until ``data: [DONE]``."""
+    async for raw in content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
