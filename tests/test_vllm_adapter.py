@@ -143,7 +143,7 @@ def test_what_a_killed_worker_started_dies_with_it(tmp_path) -> None:  # noqa: A
 
     script = tmp_path / "worker.py"
     script.write_text("import subprocess, sys, time\n"
-                      "from workers.engines.vllm import kill_engine_processes_on_exit\n"
+                      "from workers.engines.vllm_watchdog import kill_engine_processes_on_exit\n"
                       "kill_engine_processes_on_exit()\n"
                       "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
                       "print(child.pid, flush=True)\n"

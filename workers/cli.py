@@ -92,7 +92,8 @@ def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine
                                   api_key=os.environ.get(VLLM_HTTP_API_KEY_ENV) or None)
         return VllmHttpEngine(options, profile_latency_model=profile.latency_model if profile else None)
     if args.engine == "vllm":
-        from workers.engines.vllm import VllmEngine, kill_engine_processes_on_exit
+        from workers.engines.vllm import VllmEngine
+        from workers.engines.vllm_watchdog import kill_engine_processes_on_exit
 
         kill_engine_processes_on_exit()
         options = VllmEngineOptions.from_args(args, enable_prefix_caching=True if args.prefix_caching else None)
