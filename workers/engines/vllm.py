@@ -46,6 +46,13 @@ from typing import Any
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+from workers.engines.streamed import (
+    EngineCounters,
+    drain_events,
+    laid_over_arrival_order,
+    progress_item,
+    prompt_refusal,
+)
 from workers.engines.vllm_options import VllmEngineOptions
 from workers.engines.vllm_state import (
     SCHEDULER_CLS,
@@ -58,15 +65,9 @@ from workers.engines.vllm_state import (
 MAX_PENDING_SAMPLES = 256
 
 @dataclass
-class VllmStats:
-    """What vLLM's stat logger reported, as of its last call."""
+class VllmStats(EngineCounters):
+    """What vLLM's stat logger reported, as of its last call, and its step samples."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prefix_cache_queries_total: int = 0
-    prefix_cache_hits_total: int = 0
     samples: deque[tuple[int, int, int, float, int]] = field(
         default_factory=lambda: deque(maxlen=MAX_PENDING_SAMPLES))
 
@@ -189,12 +190,7 @@ class VllmEngine:
         return self._latency_model
 
     def engine_stats(self) -> dict[str, Any]:
-        stats = self.stats
-        return {"num_running_reqs": stats.num_running, "num_waiting_reqs": stats.num_waiting,
-                "kv_cache_usage": round(stats.kv_cache_usage, 4),
-                "num_preemptions_total": stats.num_preemptions_total,
-                "prefix_cache_queries_total": stats.prefix_cache_queries_total,
-                "prefix_cache_hits_total": stats.prefix_cache_hits_total}
+        return self.stats.engine_stats()
 
     def model_time_s(self) -> float:
         return time.monotonic() - self._origin_s
@@ -208,10 +204,7 @@ class VllmEngine:
         return snapshot.at_s - self._origin_s
 
     def validate(self, spec: EngineRequestSpec) -> str | None:
-        max_model_len = self._config["max_model_len"]
-        if spec.prompt_tokens >= max_model_len:
-            return f"prompt: {spec.prompt_tokens} tokens leave no room within max_model_len {max_model_len}"
-        return None
+        return prompt_refusal(spec, self._config["max_model_len"])
 
     def add_request(self, spec: EngineRequestSpec) -> None:
         tracked = _Tracked(spec)
@@ -241,11 +234,7 @@ class VllmEngine:
     async def step(self) -> EngineStepOutput:
         """Wait for the next output (up to 50 ms) and return everything produced so far,
         with the iterations vLLM ran meanwhile."""
-        events: list[TokenEvent] = []
-        with contextlib.suppress(TimeoutError):
-            events.append(await asyncio.wait_for(self._events.get(), timeout=0.05))
-        while not self._events.empty():
-            events.append(self._events.get_nowait())
+        events = await drain_events(self._events)
         samples = tuple(self.stats.samples)
         self.stats.samples.clear()
         self._read_state()
@@ -271,18 +260,9 @@ class VllmEngine:
         snapshot = self._read_state()
         if snapshot is not None:
             return self._progress_of(snapshot)
-        running, waiting = [], []
-        num_running = self.stats.num_running
-        for tracked in self._tracked.values():
-            spec = tracked.spec
-            is_running = len(running) < num_running
-            num_generated = tracked.num_tokens_sent
-            # A running request has computed everything but its last token; a waiting one
-            # (never started, or preempted) nothing.
-            num_computed = spec.prompt_tokens + num_generated - 1 if is_running and num_generated else 0
-            (running if is_running else waiting).append(_progress_item(spec, num_computed, num_generated))
-        num_used_blocks = round(self.stats.kv_cache_usage * self._config["num_gpu_blocks"])
-        return running, waiting, num_used_blocks
+        running, waiting = laid_over_arrival_order(
+            ((t.spec, t.num_tokens_sent) for t in self._tracked.values()), self.stats.num_running)
+        return running, waiting, round(self.stats.kv_cache_usage * self._config["num_gpu_blocks"])
 
     def _progress_of(self, snapshot: EngineSnapshot) -> tuple[list[RequestProgress], list[RequestProgress], int]:
         """The engine core's running and waiting requests as the snapshot has them, then the
@@ -292,10 +272,10 @@ class VllmEngine:
             for engine_id, num_computed, num_output, _ in entries:
                 tracked = self._tracked.get(worker_request_id(engine_id, self._tracked))
                 if tracked is not None:  # else answered or aborted here already
-                    into.append(_progress_item(tracked.spec, num_computed, num_output))
+                    into.append(progress_item(tracked.spec, num_computed, num_output))
         for request_id, tracked in self._tracked.items():
             if request_id not in self.state.seen_ids:
-                lists[1].append(_progress_item(tracked.spec, 0, 0))
+                lists[1].append(progress_item(tracked.spec, 0, 0))
         return lists[0], lists[1], snapshot.used_blocks
 
     async def _consume(self, tracked: _Tracked, stream: AsyncIterator[Any]) -> None:
@@ -349,10 +329,6 @@ def _bind_state_socket() -> tuple[Any, str]:
     return socket, endpoint
 
 
-def _progress_item(spec: EngineRequestSpec, num_computed: int, num_generated: int) -> RequestProgress:
-    return RequestProgress(spec.request_id, spec.prompt_tokens, num_computed, num_generated,
-                           spec.predicted_output_tokens, spec.p90_tokens)
-
 
 def _finish_reason(reason: str | None) -> str:
     """vLLM's reasons are OpenAI's (``stop``, ``length``, ``abort``); others read as stop."""
@@ -375,3 +351,4 @@ def _engine_config(engine: Any, options: VllmEngineOptions) -> dict[str, Any]:
             "max_model_len": int(config.model_config.max_model_len),
             # vLLM V1 admits without a free-block watermark
             "watermark": 0.0, "enable_prefix_caching": bool(cache.enable_prefix_caching)}
+

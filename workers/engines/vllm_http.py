@@ -40,6 +40,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+from workers.engines.streamed import (
+    EngineCounters,
+    drain_events,
+    laid_over_arrival_order,
+    prompt_refusal,
+)
 
 METRICS_PERIOD_S = 0.25
 CONNECT_TIMEOUT_S = 10.0
@@ -50,15 +56,9 @@ class ServerUnavailable(RuntimeError):
 
 
 @dataclass
-class ServerMetrics:
+class ServerMetrics(EngineCounters):
     """What the server's ``/metrics`` said last (sums over its engines)."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prefix_cache_queries_total: int = 0
-    prefix_cache_hits_total: int = 0
     cache_config: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -153,12 +153,7 @@ class VllmHttpEngine:
         return self._latency_model
 
     def engine_stats(self) -> dict[str, Any]:
-        metrics = self.metrics
-        return {"num_running_reqs": metrics.num_running, "num_waiting_reqs": metrics.num_waiting,
-                "kv_cache_usage": round(metrics.kv_cache_usage, 4),
-                "num_preemptions_total": metrics.num_preemptions_total,
-                "prefix_cache_queries_total": metrics.prefix_cache_queries_total,
-                "prefix_cache_hits_total": metrics.prefix_cache_hits_total}
+        return self.metrics.engine_stats()
 
     def model_time_s(self) -> float:
         return time.monotonic() - self._origin_s
@@ -167,25 +162,14 @@ class VllmHttpEngine:
         return self.model_time_s()
 
     def progress(self) -> tuple[list[RequestProgress], list[RequestProgress], int]:
-        running: list[RequestProgress] = []
-        waiting: list[RequestProgress] = []
-        for tracked in self._tracked.values():
-            spec = tracked.spec
-            is_running = len(running) < self.metrics.num_running
-            num_generated = tracked.num_tokens_seen
-            num_computed = spec.prompt_tokens + num_generated - 1 if is_running and num_generated else 0
-            (running if is_running else waiting).append(RequestProgress(
-                spec.request_id, spec.prompt_tokens, num_computed, num_generated,
-                spec.predicted_output_tokens, spec.p90_tokens))
+        running, waiting = laid_over_arrival_order(
+            ((t.spec, t.num_tokens_seen) for t in self._tracked.values()), self.metrics.num_running)
         return running, waiting, round(self.metrics.kv_cache_usage * self._config["num_gpu_blocks"])
 
     # --- requests ---------------------------------------------------------------------------
 
     def validate(self, spec: EngineRequestSpec) -> str | None:
-        max_model_len = self._config["max_model_len"]
-        if spec.prompt_tokens >= max_model_len:
-            return f"prompt: {spec.prompt_tokens} tokens leave no room within max_model_len {max_model_len}"
-        return None
+        return prompt_refusal(spec, self._config["max_model_len"])
 
     def add_request(self, spec: EngineRequestSpec) -> None:
         tracked = _Tracked(spec)
@@ -210,11 +194,7 @@ class VllmHttpEngine:
     async def step(self) -> EngineStepOutput:
         """Wait for the next tokens (up to 50 ms) and return everything streamed so far."""
         self._start()
-        events: list[TokenEvent] = []
-        with contextlib.suppress(TimeoutError):
-            events.append(await asyncio.wait_for(self._events.get(), timeout=0.05))
-        while not self._events.empty():
-            events.append(self._events.get_nowait())
+        events = await drain_events(self._events)
         return EngineStepOutput(tuple(events), (), self.model_time_s())
 
     def shutdown(self) -> None:

@@ -1,0 +1,72 @@
+"""What the two vLLM engines share, the embedded one (:mod:`workers.engines.vllm`) and a
+server driven over HTTP (:mod:`workers.engines.vllm_http`): the counters vLLM reports, the
+requests laid over arrival order where vLLM says how many run but not which, the prompt
+check, and the queue of token events a step drains."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from blockq.wire.beats import RequestProgress
+from workers.engines.base import EngineRequestSpec, TokenEvent
+
+
+@dataclass
+class EngineCounters:
+    """What vLLM last reported of its requests, KV cache and prefix cache."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+
+    def engine_stats(self) -> dict[str, Any]:
+        """As beats carry them (``Engine.engine_stats``)."""
+        return {"num_running_reqs": self.num_running, "num_waiting_reqs": self.num_waiting,
+                "kv_cache_usage": round(self.kv_cache_usage, 4),
+                "num_preemptions_total": self.num_preemptions_total,
+                "prefix_cache_queries_total": self.prefix_cache_queries_total,
+                "prefix_cache_hits_total": self.prefix_cache_hits_total}
+
+
+def prompt_refusal(spec: EngineRequestSpec, max_model_len: int) -> str | None:
+    """Why vLLM would refuse ``spec``'s prompt (``Engine.validate``), or None."""
+    if spec.prompt_tokens >= max_model_len:
+        return f"prompt: {spec.prompt_tokens} tokens leave no room within max_model_len {max_model_len}"
+    return None
+
+
+def progress_item(spec: EngineRequestSpec, num_computed: int, num_generated: int) -> RequestProgress:
+    return RequestProgress(spec.request_id, spec.prompt_tokens, num_computed, num_generated,
+                           spec.predicted_output_tokens, spec.p90_tokens)
+
+
+def laid_over_arrival_order(specs_and_generated: Iterable[tuple[EngineRequestSpec, int]], num_running: int
+                            ) -> tuple[list[RequestProgress], list[RequestProgress]]:
+    """(running, waiting) when vLLM says only how many run: its FCFS order is arrival
+    order, so the earliest ``num_running`` run, having computed all but their last token;
+    the rest (never started, or preempted: preemption takes the latest) wait with nothing
+    computed."""
+    running: list[RequestProgress] = []
+    waiting: list[RequestProgress] = []
+    for spec, num_generated in specs_and_generated:
+        is_running = len(running) < num_running
+        num_computed = spec.prompt_tokens + num_generated - 1 if is_running and num_generated else 0
+        (running if is_running else waiting).append(progress_item(spec, num_computed, num_generated))
+    return running, waiting
+
+
+async def drain_events(events: asyncio.Queue[TokenEvent], wait_s: float = 0.05) -> list[TokenEvent]:
+    """Every event queued, after waiting up to ``wait_s`` for the first."""
+    drained: list[TokenEvent] = []
+    with contextlib.suppress(TimeoutError):
+        drained.append(await asyncio.wait_for(events.get(), timeout=wait_s))
+    while not events.empty():
+        drained.append(events.get_nowait())
+    return drained
