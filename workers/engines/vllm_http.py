@@ -12,11 +12,11 @@ one instead of replacing it with an embedded engine (``blockq worker --engine vl
 - **tokens**: each request is one streamed ``/v1/completions`` call (text or token ids,
   vLLM's ``ignore_eos`` / ``min_tokens`` extensions, ``continuous_usage_stats`` so every
   chunk says how many tokens have come);
-- **what it cannot see**, read from ``/metrics`` every :data:`METRICS_PERIOD_S`: how many
-  requests run and wait, KV usage, preemptions, prefix-cache queries and hits. The replica's
-  per-request state is built from what this worker sent and saw streamed back: the counts
-  are laid over arrival order (vLLM's FCFS order), a running request having computed its
-  prompt and its tokens but the last;
+- **what it cannot see**, read from ``/metrics`` every :data:`METRICS_PERIOD_S`: KV usage,
+  preemptions, prefix-cache queries and hits (and the running and waiting counts, which
+  vLLM's server updates only every few seconds). The replica's per-request state is built
+  from what this worker sent and saw streamed back: a request with tokens runs, having
+  computed its prompt and its tokens but the last; one without waits;
 - **no step samples**: the server's steps are not visible, so the dispatcher's latency
   model is a profile's (``--profile``) or its prior, never refitted from this instance.
 
@@ -43,7 +43,7 @@ from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 from workers.engines.streamed import (
     EngineCounters,
     drain_events,
-    laid_over_arrival_order,
+    progress_item,
     prompt_refusal,
 )
 
@@ -162,8 +162,17 @@ class VllmHttpEngine:
         return self.model_time_s()
 
     def progress(self) -> tuple[list[RequestProgress], list[RequestProgress], int]:
-        running, waiting = laid_over_arrival_order(
-            ((t.spec, t.num_tokens_seen) for t in self._tracked.values()), self.metrics.num_running)
+        """From what this worker saw streamed back: a request with tokens runs, having
+        computed all but its last; one without waits (or is in its prefill) with nothing
+        computed. (vLLM's /metrics counts are no better: they move every few seconds.)"""
+        running: list[RequestProgress] = []
+        waiting: list[RequestProgress] = []
+        for tracked in self._tracked.values():
+            spec, num_generated = tracked.spec, tracked.num_tokens_seen
+            if num_generated:
+                running.append(progress_item(spec, spec.prompt_tokens + num_generated - 1, num_generated))
+            else:
+                waiting.append(progress_item(spec, 0, 0))
         return running, waiting, round(self.metrics.kv_cache_usage * self._config["num_gpu_blocks"])
 
     # --- requests ---------------------------------------------------------------------------
