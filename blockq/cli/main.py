@@ -14,7 +14,8 @@ from typing import Any
 
 from blockq.config import ConfigError
 from blockq.local.state import ClusterState
-from blockq.local.up import add_down, add_up, print_json
+from blockq.local.teardown import add_down
+from blockq.local.up import add_up, print_json
 from blockq.runtime.service_runner import add_common_arguments, settings_from_args
 
 # --- submit / status ------------------------------------------------------------------------

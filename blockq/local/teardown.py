@@ -14,7 +14,9 @@ records are removed only when nothing is left; otherwise they stay, so that a la
 
 from __future__ import annotations
 
+import argparse
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ import psutil
 
 from blockq.local.processes import ancestors_and_self, list_project_processes
 from blockq.local.state import ClusterState, ProcessIdentity, read_supervisor
+from blockq.runtime.service_runner import add_common_arguments, settings_from_args
 
 # The longest wait for SIGKILLed processes to vanish (shorter when timeout_s is).
 KILL_GRACE_S = 5.0
@@ -164,3 +167,36 @@ def stop_cluster(state_dir: Path, timeout_s: float) -> StopReport:
     if not survivors:
         ClusterState.remove(state_dir)
     return StopReport(True, num_killed, num_unidentified, survivors)
+
+
+# --- `blockq down` ----------------------------------------------------------------------
+
+
+def add_down(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("down", help="stop the local cluster started by `blockq up`")
+    add_common_arguments(p)
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    p.set_defaults(handler=cmd_down)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """0 once no process of the cluster is left (or none was there); 1, naming each
+    process still running and why, otherwise (its records are kept for the next try)."""
+    settings = settings_from_args(args, require_redis=False)
+    state_dir = settings.state_dir
+    report = stop_cluster(state_dir, args.timeout_s)
+    if not report.found:
+        sys.stdout.write(f"no cluster running from {state_dir}\n")
+        return 0
+    if report.survivors:
+        lines = "".join(f"  {identity.describe()}: {why}\n" for identity, why in report.survivors)
+        sys.stderr.write(f"blockq down: {len(report.survivors)} processes of the cluster in {state_dir} are still "
+                         f"running:\n{lines}its records stay in {state_dir}: `blockq down` again stops what it can\n")
+        return 1
+    notes = []
+    if report.num_killed:
+        notes.append(f"killed {report.num_killed} stuck processes")
+    if report.num_unidentified:
+        notes.append(f"left {report.num_unidentified} recorded pids alone: they are other processes now")
+    sys.stdout.write("blockq is down" + (f" ({'; '.join(notes)})" if notes else "") + "\n")
+    return 0

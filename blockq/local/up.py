@@ -394,35 +394,3 @@ def _give_up(state_dir: Path, failure: str) -> None:
     left = (f"; {len(report.survivors)} of its processes could not be stopped: `blockq down`"
             if report.survivors else "; stopped the cluster")
     raise SystemExit(f"blockq up: {failure}{left} (logs in {state_dir / 'logs'})")
-
-
-def add_down(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("down", help="stop the local cluster started by `blockq up`")
-    add_common_arguments(p)
-    p.add_argument("--timeout-s", type=float, default=60.0)
-    p.set_defaults(handler=cmd_down)
-
-
-def cmd_down(args: argparse.Namespace) -> int:
-    """0 once no process of the cluster is left (or none was there); 1, naming each
-    process still running and why, otherwise (its records are kept for the next try)."""
-    from blockq.local.teardown import stop_cluster
-
-    settings = settings_from_args(args, require_redis=False)
-    state_dir = settings.state_dir
-    report = stop_cluster(state_dir, args.timeout_s)
-    if not report.found:
-        sys.stdout.write(f"no cluster running from {state_dir}\n")
-        return 0
-    if report.survivors:
-        lines = "".join(f"  {identity.describe()}: {why}\n" for identity, why in report.survivors)
-        sys.stderr.write(f"blockq down: {len(report.survivors)} processes of the cluster in {state_dir} are still "
-                         f"running:\n{lines}its records stay in {state_dir}: `blockq down` again stops what it can\n")
-        return 1
-    notes = []
-    if report.num_killed:
-        notes.append(f"killed {report.num_killed} stuck processes")
-    if report.num_unidentified:
-        notes.append(f"left {report.num_unidentified} recorded pids alone: they are other processes now")
-    sys.stdout.write("blockq is down" + (f" ({'; '.join(notes)})" if notes else "") + "\n")
-    return 0
