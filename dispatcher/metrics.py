@@ -108,7 +108,6 @@ class _CoreCollector(Collector):
         yield GaugeMetricFamily("blockq_dispatcher_dead_letters", "Entries in the dead-letter stream (capped), "
                                 "as the leader last read it.", value=self.num_dead_letters())
 
-
     def _forecast_check(self) -> Iterator[Metric]:
         errors = GaugeMetricFamily("blockq_dispatcher_forecast_error_ratio", "Median absolute percentage error "
                                    "(fraction) of the forecasts of each instance's latest answers, by signal.",

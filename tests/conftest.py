@@ -133,3 +133,11 @@ def run_blockq(*args: str, env: dict[str, str] | None = None, timeout_s: float =
     """Run the ``blockq`` CLI as a real process."""
     return subprocess.run([sys.executable, "-m", "blockq.cli", *args], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, **(env or {})}, cwd=cwd or REPO_ROOT)
+
+
+def write_tiny_model(directory: Path, *flags: str) -> Path:
+    """``blockq tiny-model DIRECTORY FLAGS`` (it needs the vLLM environment), asserted to
+    succeed: the model's directory."""
+    made = run_blockq("tiny-model", str(directory), *flags, timeout_s=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    return directory

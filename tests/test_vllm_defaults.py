@@ -34,7 +34,7 @@ from blockq.local.vllm_sizing import (
     read_model_shape,
     size_cpu_instances,
 )
-from tests.conftest import import_or_skip, run_blockq
+from tests.conftest import import_or_skip, run_blockq, write_tiny_model
 
 # The tiny model `blockq tiny-model` writes: 2 layers x 2 KV heads x 64, bf16.
 TINY = ModelShape(weights_bytes=10 * MiB, kv_bytes_per_token=1024, max_position_embeddings=4096)
@@ -197,9 +197,7 @@ def test_a_given_kv_cache_size_drops_the_legacy_environment_variable() -> None:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import_or_skip("vllm")
     root = tmp_path_factory.mktemp("vllm-defaults")
-    made = run_blockq("tiny-model", str(root / "model"), timeout_s=300)
-    assert made.returncode == 0, made.stderr[-3000:]
-    return root / "model"
+    return write_tiny_model(root / "model")
 
 
 def _logs(state_dir: Path) -> str:

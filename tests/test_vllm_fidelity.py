@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import import_or_skip, run_blockq
+from tests.conftest import import_or_skip, run_blockq, write_tiny_model
 
 import_or_skip("vllm")
 
@@ -28,9 +28,7 @@ ENGINE = ("--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model
 @pytest.fixture(scope="module")
 def model_and_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, str]]:
     root = tmp_path_factory.mktemp("fidelity")
-    made = run_blockq("tiny-model", str(root / "model"), "--size", "medium", "--max-model-len", "1024",
-                      timeout_s=300)
-    assert made.returncode == 0, made.stderr
+    write_tiny_model(root / "model", "--size", "medium", "--max-model-len", "1024")
     profiled = run_blockq("profile", "--model", str(root / "model"), *ENGINE, "--out",
                           str(root / "profile.json"), timeout_s=600)
     assert profiled.returncode == 0, profiled.stderr[-3000:]

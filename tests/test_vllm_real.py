@@ -27,7 +27,7 @@ from blockq.local.state import ClusterState
 from blockq.wire.beats import decode_heartbeat
 from blockq.wire.keys import Keys
 from loadgen.benches.external import BENCH_SERVE
-from tests.conftest import import_or_skip, run_blockq, wait_until
+from tests.conftest import import_or_skip, run_blockq, wait_until, write_tiny_model
 
 import_or_skip("vllm")
 openai = import_or_skip("openai")
@@ -50,8 +50,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("vllm")
-    made = run_blockq("tiny-model", str(root / "model"), timeout_s=300)
-    assert made.returncode == 0, made.stderr[-3000:]
+    write_tiny_model(root / "model")
     env = {"BLOCKQ_STATE_DIR": str(root / "state"), "BLOCKQ_REDIS_URL": ""}
     port = _free_port()
     started_s = time.monotonic()
@@ -341,8 +340,7 @@ def test_prefix_cache_hits_of_vllm_against_the_reference_scheduler(tmp_path: Pat
     caches the blocks a request's output completes, which take cache room."""
     from blockq.engine_model import EngineConfig, EngineScheduler, get_preset
 
-    made = run_blockq("tiny-model", str(tmp_path / "model"), timeout_s=300)
-    assert made.returncode == 0, made.stderr[-3000:]
+    write_tiny_model(tmp_path / "model")
     env = {"BLOCKQ_STATE_DIR": str(tmp_path / "state"), "BLOCKQ_REDIS_URL": ""}
     up = run_blockq("up", "--engine", "vllm", "--model", str(tmp_path / "model"), "--instances", "1",
                     "--prefix-caching", "--block-size", "32", "--kv-cache-bytes", str(2 * KV_CACHE_BYTES),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import import_or_skip, run_blockq
+from tests.conftest import import_or_skip, write_tiny_model
 from workers.engines.base import EngineRequestSpec
 
 PROMPT_TOKENS = 300
@@ -24,9 +24,7 @@ OUTPUT_TOKENS = 100
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import_or_skip("vllm")
     root = tmp_path_factory.mktemp("vllm-state")
-    made = run_blockq("tiny-model", str(root / "model"), timeout_s=300)
-    assert made.returncode == 0, made.stderr[-3000:]
-    return root / "model"
+    return write_tiny_model(root / "model")
 
 
 @pytest.mark.vllm

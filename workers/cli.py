@@ -22,6 +22,7 @@ from blockq.config import (
     PREDICTOR_HTTP_TOKEN_ENV,
     VLLM_HTTP_API_KEY_ENV,
 )
+from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.measured_profile import load_profile
 from blockq.local.cluster_config import WILL_NOT_START_EXIT_CODE, WILL_NOT_START_MARKER
 from blockq.runtime.metrics_server import (
@@ -80,8 +81,12 @@ def instance_ids(args: argparse.Namespace) -> list[str]:
     return [f"{args.instance_id}-{i}" for i in range(args.first_index, args.first_index + args.instances)]
 
 
+def _profile_latency_model(args: argparse.Namespace) -> StepLatencyModel | None:
+    """The latency model a vLLM instance publishes: a measured profile's (``--profile``)."""
+    return load_profile(args.preset).latency_model if args.preset.endswith(".json") else None
+
+
 def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine protocol
-    profile = load_profile(args.preset) if args.preset.endswith(".json") else None
     if args.engine == "vllm-http":
         from workers.engines.vllm_http import VllmHttpEngine, VllmHttpOptions
 
@@ -90,14 +95,14 @@ def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine
         options = VllmHttpOptions(args.url, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   api_key=os.environ.get(VLLM_HTTP_API_KEY_ENV) or None)
-        return VllmHttpEngine(options, profile_latency_model=profile.latency_model if profile else None)
+        return VllmHttpEngine(options, profile_latency_model=_profile_latency_model(args))
     if args.engine == "vllm":
         from workers.engines.vllm import VllmEngine
         from workers.engines.vllm_watchdog import kill_engine_processes_on_exit
 
         kill_engine_processes_on_exit()
         options = VllmEngineOptions.from_args(args, enable_prefix_caching=True if args.prefix_caching else None)
-        return VllmEngine(options, profile_latency_model=profile.latency_model if profile else None)
+        return VllmEngine(options, profile_latency_model=_profile_latency_model(args))
     from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 
     overrides = (("enable_prefix_caching", True),) if args.prefix_caching else ()

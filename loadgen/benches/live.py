@@ -37,6 +37,8 @@ from loadgen.traces import TraceRequest
 
 log = structlog.get_logger(__name__)
 
+UP_MARGIN_S = 180.0  # beyond `up`'s own ready wait: its start, and a teardown on failure
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -85,8 +87,11 @@ class BenchConfig:
 
     @property
     def ready_timeout_s(self) -> float:
-        """How long `up` may take: vLLM engines load and compile their model first."""
-        return 700.0 if self.engine == "vllm" else 300.0
+        """How long `up` may take: its own ready wait (vLLM engines load and compile their
+        model first), and a margin for starting and stopping."""
+        from blockq.local.up import READY_TIMEOUT_S, VLLM_READY_TIMEOUT_S
+
+        return (VLLM_READY_TIMEOUT_S if self.engine == "vllm" else READY_TIMEOUT_S) + UP_MARGIN_S
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What the two vLLM engines share, the embedded one (:mod:`workers.engines.vllm`) and a
 server driven over HTTP (:mod:`workers.engines.vllm_http`): the counters vLLM reports, the
-requests laid over arrival order where vLLM says how many run but not which, the prompt
-check, and the queue of token events a step drains."""
+prompt check, a request's progress item and the queue of token events a step drains; and
+the embedded engine's state before its first snapshot, laid over arrival order."""
 
 from __future__ import annotations
 

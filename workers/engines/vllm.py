@@ -196,9 +196,10 @@ class VllmEngine:
         return time.monotonic() - self._origin_s
 
     def state_time_s(self) -> float:
-        """The end of the step of the latest snapshot, while the engine core holds requests
-        (it steps without pause then, so that is at most a step ago); else now."""
-        snapshot = self._read_state()
+        """The end of the step of the snapshot :meth:`progress` read last (not a newer one:
+        the beat's lists hold there), while the engine core holds requests (it steps
+        without pause then, so that is at most a step ago); else now."""
+        snapshot = self.state.latest
         if snapshot is None or not (snapshot.running or snapshot.waiting):
             return self.model_time_s()
         return snapshot.at_s - self._origin_s
@@ -274,7 +275,7 @@ class VllmEngine:
                 if tracked is not None:  # else answered or aborted here already
                     into.append(progress_item(tracked.spec, num_computed, num_output))
         for request_id, tracked in self._tracked.items():
-            if request_id not in self.state.seen_ids:
+            if not self.state.has_seen(request_id):
                 lists[1].append(progress_item(tracked.spec, 0, 0))
         return lists[0], lists[1], snapshot.used_blocks
 
@@ -327,7 +328,6 @@ def _bind_state_socket() -> tuple[Any, str]:
     socket.setsockopt(zmq.LINGER, 0)
     socket.bind(endpoint)
     return socket, endpoint
-
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -123,26 +123,31 @@ class SnapshotReader:
 
     def __init__(self) -> None:
         self.latest: EngineSnapshot | None = None
+        # The requests the engine core has held (by the worker's id): their preemptions.
         self._id_to_preemptions: dict[str, int] = {}
-        self.seen_ids: set[str] = set()  # requests the engine core has held (by the worker's id)
 
     def apply(self, snapshot: EngineSnapshot, known_ids: Any) -> list[str]:
         """Take ``snapshot`` as the latest (an older one than the latest is ignored); the
-        worker ids of the requests preempted since the last one."""
+        worker ids of the requests preempted since the last one. Requests the worker no
+        longer tracks (``known_ids``: it has answered or aborted them) are not noted."""
         if self.latest is not None and snapshot.num_steps <= self.latest.num_steps:
             return []
         self.latest = snapshot
         preempted: list[str] = []
         for entry in (*snapshot.running, *snapshot.waiting):
             request_id = worker_request_id(entry[0], known_ids)
-            self.seen_ids.add(request_id)
+            if request_id not in known_ids:
+                continue
             num_preemptions = entry[3]
             if num_preemptions > self._id_to_preemptions.get(request_id, 0):
                 preempted.append(request_id)
             self._id_to_preemptions[request_id] = num_preemptions
         return preempted
 
+    def has_seen(self, request_id: str) -> bool:
+        """Whether the engine core has held the request (in a snapshot read)."""
+        return request_id in self._id_to_preemptions
+
     def forget(self, request_id: str) -> None:
         """A request the worker no longer tracks (finished or aborted)."""
         self._id_to_preemptions.pop(request_id, None)
-        self.seen_ids.discard(request_id)
