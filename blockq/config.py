@@ -31,12 +31,18 @@ Environment variables (all optional):
                                their Prometheus ``/metrics`` (0: any free port; ``off``:
                                none); unset: none unless the flag gives one. ``blockq up``
                                passes every child its own port (``metrics_base_port``)
+``BLOCKQ_PREFIX_TOKENIZER``    the served model's directory: prompts are hashed for prefix-cache
+                               hits with its tokenizer (:mod:`blockq.text.model_tokenizer`);
+                               unset: the project tokenizer (the emulated engine's)
+``BLOCKQ_PREFIX_BLOCK_TOKENS`` the engines' KV block size in tokens, the hashes' block
+                               (default 16; vLLM on a CPU: the ``--block-size`` it runs)
 =============================  ==========================================================
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -44,6 +50,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS, PrefixScheme
+from blockq.text.model_tokenizer import TokenizerUnavailable
 from blockq.wire.keys import DEFAULT_PREFIX, Keys, hash_tag
 from blockq.wire.protocol import MAX_SLO_TTFT_MS, ProtocolLimits
 from blockq.wire.redis_url import RedisUrlError, parse_redis_url
@@ -54,8 +62,17 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_REFINE_EVERY_TOKENS = 64
 
 
+MAX_PREFIX_BLOCK_TOKENS = 4096
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the setting."""
+
+
+@functools.cache
+def _prefix_scheme(block_tokens: int, tokenizer_dir: str | None) -> PrefixScheme:
+    """One scheme per setting, so its tokenizer fingerprint is read once per process."""
+    return PrefixScheme(block_tokens, tokenizer_dir)
 
 
 def validate_redis_url(url: str, key_prefix: str | None = None) -> str:
@@ -103,6 +120,10 @@ class Settings:
     state_dir: Path = field(default_factory=lambda: Path(".blockq"))
     log_level: str = "info"
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+    # How prompts are hashed for prefix-cache hits (blockq.text.block_hashes.PrefixScheme):
+    # the served model's tokenizer directory (None: the project's) and the engines' block size.
+    prefix_tokenizer: str | None = None
+    prefix_block_tokens: int = PREFIX_BLOCK_TOKENS
 
     def __post_init__(self) -> None:
         if self.redis_url is not None:
@@ -122,10 +143,23 @@ class Settings:
             Keys(self.key_prefix)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        # The wire caps a request's hashes at max_prompt_token_ids / 16 (blockq.wire.protocol).
+        if not PREFIX_BLOCK_TOKENS <= self.prefix_block_tokens <= MAX_PREFIX_BLOCK_TOKENS:
+            raise ConfigError(f"prefix_block_tokens: must be between {PREFIX_BLOCK_TOKENS} and "
+                              f"{MAX_PREFIX_BLOCK_TOKENS} (got {self.prefix_block_tokens})")
+        if self.prefix_tokenizer:
+            try:
+                self.prefix_scheme.tokenizer_id  # noqa: B018  (reads the tokenizer's files now)
+            except TokenizerUnavailable as exc:
+                raise ConfigError(f"prefix_tokenizer: {exc}") from None
 
     @property
     def keys(self) -> Keys:
         return Keys(self.key_prefix)
+
+    @property
+    def prefix_scheme(self) -> PrefixScheme:
+        return _prefix_scheme(self.prefix_block_tokens, self.prefix_tokenizer or None)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -167,6 +201,8 @@ class Settings:
             "state_dir": Path(env.get(ENV_PREFIX + "STATE_DIR") or ".blockq"),
             "log_level": (env.get(ENV_PREFIX + "LOG_LEVEL") or "info").lower(),
             "limits": limits,
+            "prefix_tokenizer": env.get(ENV_PREFIX + "PREFIX_TOKENIZER") or None,
+            "prefix_block_tokens": read_int("PREFIX_BLOCK_TOKENS", cls.prefix_block_tokens),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

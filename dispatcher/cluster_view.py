@@ -31,7 +31,8 @@ from dataclasses import dataclass, field, replace
 from blockq.engine_model import EngineConfig, StepLatencyModel, get_preset
 from blockq.engine_model.presets import PRESETS
 from blockq.lengths import check_length_mode
-from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS
+from blockq.text.block_hashes import PROJECT_SCHEME, PrefixScheme
+from blockq.text.model_tokenizer import PROJECT_TOKENIZER
 from blockq.wire.beats import Heartbeat
 from blockq.wire.health import HealthPolicy, InstanceState
 from blockq.wire.protocol import Request
@@ -88,19 +89,23 @@ class ClusterView:
     """Instances by id, updated by :meth:`apply_heartbeat` and :meth:`refresh_health`."""
 
     def __init__(self, health_policy: HealthPolicy | None = None, *, keep_replicas: bool = False,
-                 lengths: str = "median", prior_latency_model: StepLatencyModel | None = None) -> None:
+                 lengths: str = "median", prior_latency_model: StepLatencyModel | None = None,
+                 prefix_scheme: PrefixScheme = PROJECT_SCHEME) -> None:
         """``keep_replicas``: every live instance gets a scheduler replica from its first
         beat on, rebuilt on the heartbeat path (for policies that simulate); otherwise a
         replica is made only when :meth:`replica` is first asked for one. ``lengths``: the
         output lengths the replicas simulate with (:data:`blockq.lengths.LENGTH_MODES`).
         ``prior_latency_model``: for instances that publish none and name no known preset
-        (default: :data:`PRIOR_PRESET`'s; ``blockq dispatcher --profile``)."""
+        (default: :data:`PRIOR_PRESET`'s; ``blockq dispatcher --profile``). ``prefix_scheme``:
+        how requests' prompt block hashes were made (``Settings.prefix_scheme``): prefix hits
+        are predicted on instances that cache blocks of the same size and tokenizer."""
         self.health_policy = health_policy or HealthPolicy()
         self.instances: dict[str, InstanceView] = {}
         self.keep_replicas = keep_replicas
         self.lengths = check_length_mode(lengths)
         self.audible_since_s = float("-inf")
         self.prior_latency_model = prior_latency_model or get_preset(PRIOR_PRESET).latency_model
+        self.prefix_scheme = prefix_scheme
 
     def hear_again(self, now_s: float) -> None:
         """The dispatcher can hear beats from ``now_s`` on (it starts leading, reconnected,
@@ -173,10 +178,12 @@ class ClusterView:
         view.last_beat_at_s = heard_at_s
         view.heard = True
         view.health = beat.state
-        if view.prefix_index is None and _indexes_prefixes(beat):
-            view.prefix_index = PrefixIndex(max(1, int(beat.engine_config.get("num_gpu_blocks") or 1)))
-        if view.prefix_index is not None and beat.cached_block_hashes:
-            # Output blocks its finished requests left cached: placements cannot show them.
+        if view.prefix_index is None and _indexes_prefixes(beat, self.prefix_scheme):
+            view.prefix_index = PrefixIndex(max(1, int(beat.engine_config.get("num_gpu_blocks") or 1)),
+                                            self.prefix_scheme.block_tokens)
+        if view.prefix_index is not None:
+            # What the engine says it cached (outputs: placements cannot show them) and evicted.
+            view.prefix_index.forget(beat.evicted_block_hashes)
             view.prefix_index.record(beat.cached_block_hashes)
         if beat.state != InstanceState.STOPPED:
             view.left_reported = False
@@ -299,12 +306,15 @@ def _saved(view: InstanceView | None) -> InstanceView | None:
                    batch_request_ids=set(view.batch_request_ids), replica=None, replica_synced_at_s=float("-inf"))
 
 
-def _indexes_prefixes(beat: Heartbeat) -> bool:
-    """Whether the dispatcher can tell what ``beat``'s instance caches: prefix caching is on
-    and its KV blocks are the size requests' block hashes cover (an engine of other blocks,
-    e.g. vLLM's 32-token CPU blocks, caches other boundaries: no hit is predicted there)."""
+def _indexes_prefixes(beat: Heartbeat, scheme: PrefixScheme) -> bool:
+    """Whether the dispatcher can tell what ``beat``'s instance caches: prefix caching is on,
+    its KV blocks are the size requests' block hashes cover and it caches the token ids of
+    the tokenizer they were made with (``prefix_tokenizer``; an engine that names none is
+    the emulated one, of the project tokenizer). Elsewhere no hit is predicted: another
+    block size or tokenizer caches other blocks."""
     config = beat.engine_config
-    return bool(config.get("enable_prefix_caching")) and config.get("block_size") == PREFIX_BLOCK_TOKENS
+    return (bool(config.get("enable_prefix_caching")) and config.get("block_size") == scheme.block_tokens
+            and config.get("prefix_tokenizer", PROJECT_TOKENIZER) == scheme.tokenizer_id)
 
 
 # The prior for an instance that publishes no latency model and no known preset (a vLLM

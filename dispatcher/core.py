@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.forecast_check import AnsweredRecord, ForecastCheck, ForecastCheckOptions, TrustChange
+from blockq.text.block_hashes import PROJECT_SCHEME, PrefixScheme
 from blockq.wire.beats import Heartbeat
 from blockq.wire.health import HealthPolicy
 from blockq.wire.protocol import Assignment, Request
@@ -115,9 +116,10 @@ class DispatcherCore:
                  timer: Callable[[], float] | None = None,
                  slo_ttft_ms: float | None = None,
                  prior_latency_model: StepLatencyModel | None = None,
-                 forecast_check: ForecastCheckOptions | None = None) -> None:
+                 forecast_check: ForecastCheckOptions | None = None,
+                 prefix_scheme: PrefixScheme = PROJECT_SCHEME) -> None:
         self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy,
-                              prior_latency_model=prior_latency_model)
+                              prior_latency_model=prior_latency_model, prefix_scheme=prefix_scheme)
         self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective,
                                           slo_ttft_ms=slo_ttft_ms)
         self.timer = timer
@@ -272,8 +274,8 @@ class DispatcherCore:
             placed = request.with_assignment(Assignment(
                 instance_id=decision.instance_id, policy=self.policy.name, decided_at_s=now_s,
                 decision_ms=decision_ms, predicted_ttft_ms=decision.predicted_ttft_ms,
-                predicted_e2e_ms=decision.predicted_e2e_ms))
-            self._count_prompt(placed, self.view.instances[decision.instance_id])
+                predicted_e2e_ms=decision.predicted_e2e_ms,
+                predicted_cached_tokens=self._count_prompt(request, self.view.instances[decision.instance_id])))
             self.view.record_assignment(decision.instance_id, placed)
         except ValueError as exc:
             self.stats.num_rejected += 1
@@ -282,10 +284,13 @@ class DispatcherCore:
         self.stats.num_placed += 1
         return Placed(placed)
 
-    def _count_prompt(self, request: Request, view: InstanceView) -> None:
-        """Before the placement is recorded: what the request finds cached there."""
+    def _count_prompt(self, request: Request, view: InstanceView) -> int | None:
+        """Before the placement is recorded: the prompt tokens the request finds cached
+        there (None: the instance has no prefix index), counted in the stats."""
         prompt_tokens = request.num_prompt_tokens
         self.stats.num_placed_prompt_tokens += prompt_tokens
-        if view.prefix_index is not None and request.prompt_block_hashes:
-            self.stats.num_predicted_cached_tokens += view.prefix_index.cached_prompt_tokens(
-                request.prompt_block_hashes, prompt_tokens)
+        if view.prefix_index is None:
+            return None
+        cached = view.prefix_index.cached_prompt_tokens(request.prompt_block_hashes, prompt_tokens)
+        self.stats.num_predicted_cached_tokens += cached
+        return cached

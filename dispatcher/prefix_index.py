@@ -64,6 +64,11 @@ class PrefixIndex:
         """Prompt tokens a request would find cached (:func:`cached_tokens`)."""
         return cached_tokens(self.cached_prefix_blocks(block_hashes), prompt_tokens, self.block_tokens)
 
+    def forget(self, block_hashes: Sequence[int]) -> None:
+        """The engine evicted these blocks."""
+        for block_hash in block_hashes:
+            self._blocks.pop(block_hash, None)
+
     def record(self, block_hashes: Sequence[int]) -> None:
         """These blocks were placed here or reported cached: now the most recently used."""
         blocks = self._blocks

@@ -340,7 +340,7 @@ def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: s
     options = options or DispatcherOptions()
     core = DispatcherCore(policy_name, seed=seed, objective=objective, timer=time.perf_counter,
                           slo_ttft_ms=settings.slo_ttft_ms or None, prior_latency_model=prior_latency_model,
-                          forecast_check=forecast_check,
+                          forecast_check=forecast_check, prefix_scheme=settings.prefix_scheme,
                           health_policy=HealthPolicy(heartbeat_interval_s=settings.heartbeat_interval_ms / 1000,
                                                      dead_after_s=options.dead_after_s))
     dispatcher = Dispatcher(client, settings, core, dispatcher_id=dispatcher_id, options=options)

@@ -124,7 +124,8 @@ def record_of(request_id: str, request: TraceRequest, offset_s: float, final: Fi
         predicted_output_tokens=final.predicted_output_tokens, output_tokens=final.output_tokens,
         queue_wait_ms=final.queue_wait_ms, ttft_ms=final.ttft_ms, tpot_ms=final.tpot_ms, e2e_ms=final.e2e_ms,
         predicted_ttft_ms=final.predicted_ttft_ms, predicted_e2e_ms=final.predicted_e2e_ms,
-        num_preemptions=final.num_preemptions, ok=final.status == "ok", error=final.error, status=final.status)
+        num_preemptions=final.num_preemptions, ok=final.status == "ok", error=final.error, status=final.status,
+        cached_tokens=final.cached_tokens, predicted_cached_tokens=final.predicted_cached_tokens)
 
 
 def failed_record(request: TraceRequest, offset_s: float, error: str) -> RequestRecord:

@@ -57,6 +57,10 @@ class RequestRecord:
     # When the placement was decided, model ms after submission (None: not known): the
     # forecasts count from there, the measured times from submission.
     decided_after_ms: float | None = None
+    # Prompt tokens the engine found in its prefix cache, and those the dispatcher predicted
+    # it would (None: not reported).
+    cached_tokens: int | None = None
+    predicted_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,16 @@ def _mean_absolute_error(pairs: Iterable[tuple[float | None, float | None]]) -> 
         if predicted is not None and actual is not None
     )
     return _mean(errors)
+
+
+def _prefix_hits(completed: Sequence[RequestRecord]) -> dict[str, float | int | None]:
+    pairs = [(r.predicted_cached_tokens, r.cached_tokens) for r in completed
+             if r.predicted_cached_tokens is not None and r.cached_tokens is not None]
+    predicted = sum(p for p, _ in pairs)
+    measured = sum(m for _, m in pairs)
+    return {"prefix_hit_tokens_measured": measured if pairs else None,
+            "prefix_hit_tokens_predicted": predicted if pairs else None,
+            "prefix_hit_prediction_error": predicted / measured - 1 if measured else None}
 
 
 def _forecast_ape_p50(pairs: Iterable[tuple[float | None, float | None]]) -> float | None:
@@ -186,6 +200,10 @@ def summarize(
       ``ttft_forecast_ape_p50`` / ``e2e_forecast_ape_p50``: the median over completed
       requests of the placement forecast's absolute error as a fraction of the measurement
       (both counted from the decision where the record has it);
+    * prefix-cache hits: ``prefix_hit_tokens_measured`` / ``prefix_hit_tokens_predicted``,
+      the prompt tokens the engines found cached and those the dispatcher predicted they
+      would, summed over the completed requests that report both, and
+      ``prefix_hit_prediction_error`` = predicted / measured - 1 (None without hits);
     * the host: ``lag_mean_ms``, the mean of the beats' mean step lag (model ms: how late
       an emulated engine's steps ended on this host; what ``blockq simulate --step-lag-ms``
       takes, times the time scale, to replay the run as this host ran it), and
@@ -252,6 +270,7 @@ def summarize(
         (r.predicted_ttft_ms, _since_decision(r.ttft_ms, r)) for r in completed)
     summary["e2e_forecast_ape_p50"] = _forecast_ape_p50(
         (r.predicted_e2e_ms, _since_decision(r.e2e_ms, r)) for r in completed)
+    summary.update(_prefix_hits(completed))
     summary["preemptions_total"] = sum(record.num_preemptions for record in records)
     lag_means_ms = _finite(lag_mean_samples_ms)
     summary["lag_mean_ms"] = float(lag_means_ms.mean()) if len(lag_means_ms) else None

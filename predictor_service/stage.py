@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from blockq.config import Settings
-from blockq.text.block_hashes import prompt_block_hashes
+from blockq.text.block_hashes import PROJECT_SCHEME, PrefixScheme, prompt_block_hashes
 from blockq.text.tokenizer import TokenCounter
 from blockq.wire.keys import GROUP_PREDICT, PAYLOAD_FIELD
 from blockq.wire.protocol import Prediction, Request, ValidationError, decode_request, encode
@@ -122,7 +122,7 @@ class PredictorStage:
             inputs = prediction_inputs(requests, self.token_counter)
         except Exception:  # e.g. a tokenizer failing on one prompt: find which, alone
             return [self._annotate_alone(predictor, request) for request in requests]
-        results = annotate(predictor, requests, inputs)
+        results = annotate(predictor, requests, inputs, self.settings.prefix_scheme)
         if self.on_annotated is not None:
             for request, one, result in zip(requests, inputs, results, strict=True):
                 if not isinstance(result, str):
@@ -134,7 +134,7 @@ class PredictorStage:
             inputs = prediction_inputs([request], self.token_counter)
         except Exception as exc:
             return _failure_reason(exc)
-        (result,) = annotate(predictor, [request], inputs)
+        (result,) = annotate(predictor, [request], inputs, self.settings.prefix_scheme)
         if self.on_annotated is not None and not isinstance(result, str):
             self.on_annotated(request.id, inputs[0])
         return result
@@ -164,14 +164,14 @@ def prediction_inputs(requests: Sequence[Request], token_counter: TokenCounter) 
 
 
 def annotate(predictor: LengthPredictor, requests: Sequence[Request],
-             inputs: Sequence[PredictionInput]) -> list[Request | str]:
+             inputs: Sequence[PredictionInput], scheme: PrefixScheme = PROJECT_SCHEME) -> list[Request | str]:
     """One model call for the batch: each request with its :class:`Prediction`, or the
     reason it could not be predicted (a bad request does not sink its batch, and no
     exception of the model escapes: an escaping one would crash the stage on the same
     entries after every restart). Each annotated request also carries its
-    ``prompt_block_hashes`` (:mod:`blockq.text.block_hashes`; kept when it came with them), so they
-    are computed once, here, for the dispatcher and the engine alike."""
-    requests = _with_block_hashes(requests)
+    ``prompt_block_hashes`` under ``scheme`` (:mod:`blockq.text.block_hashes`; kept when it came
+    with them), so they are computed once, here, for the dispatcher and the engine alike."""
+    requests = _with_block_hashes(requests, scheme)
     try:
         predictions = predictor.predict(list(inputs))
     except Exception:
@@ -180,22 +180,22 @@ def annotate(predictor: LengthPredictor, requests: Sequence[Request],
             for request, one, p in zip(requests, inputs, predictions, strict=True)]
 
 
-def _with_block_hashes(requests: Sequence[Request]) -> list[Request]:
+def _with_block_hashes(requests: Sequence[Request], scheme: PrefixScheme) -> list[Request]:
     """``requests`` with their prompt block hashes (text prompts tokenized in one call).
     A prompt the tokenizer fails on gets none: the hashes only help placement, so they
     never cost a request its answer."""
     prompts = [request.prompt for request in requests if not request.prompt_block_hashes]
     try:
-        hashes = iter(prompt_block_hashes(prompts))
+        hashes = iter(prompt_block_hashes(prompts, scheme))
     except Exception:
-        hashes = iter([_block_hashes_or_none(prompt) for prompt in prompts])
+        hashes = iter([_block_hashes_or_none(prompt, scheme) for prompt in prompts])
     return [replace(request, prompt_block_hashes=next(hashes)) if not request.prompt_block_hashes else request
             for request in requests]
 
 
-def _block_hashes_or_none(prompt: str | tuple[int, ...]) -> tuple[int, ...]:
+def _block_hashes_or_none(prompt: str | tuple[int, ...], scheme: PrefixScheme) -> tuple[int, ...]:
     try:
-        return prompt_block_hashes([prompt])[0]
+        return prompt_block_hashes([prompt], scheme)[0]
     except Exception as exc:
         log.warning("prompt_block_hashes_failed", error=f"{type(exc).__name__}: {exc}")
         return ()

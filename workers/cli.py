@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vllm-http: drive the vLLM server at --url over its OpenAI API "
                              "(its API key, if any, in BLOCKQ_VLLM_HTTP_API_KEY)")
     parser.add_argument("--url", default=None, help="--engine vllm-http: the server, http://host:port")
+    parser.add_argument("--kv-events-url", default=None,
+                        help="--engine vllm-http: where the server publishes its KV cache events "
+                             "(tcp://host:5557; with --model DIR, prefix hits are predicted there)")
     parser.add_argument("--preset", "--profile", dest="preset", default="llama2-7b-a30",
                         help="engine preset or measured PROFILE.json (blockq profile): the emulated "
                              "engine's; a vLLM engine publishes a profile's latency model in its beats")
@@ -94,7 +97,8 @@ def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine
             raise SystemExit("--engine vllm-http needs --url http://host:port")
         options = VllmHttpOptions(args.url, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  api_key=os.environ.get(VLLM_HTTP_API_KEY_ENV) or None)
+                                  api_key=os.environ.get(VLLM_HTTP_API_KEY_ENV) or None,
+                                  kv_events_url=args.kv_events_url, model_dir=getattr(args, "model", None))
         return VllmHttpEngine(options, profile_latency_model=_profile_latency_model(args))
     if args.engine == "vllm":
         from workers.engines.vllm import VllmEngine

@@ -39,12 +39,16 @@ class HeartbeatBuilder:
         self._samples: deque[tuple[int, int, int, float, int]] = deque(maxlen=MAX_STEP_SAMPLES)
         self._finished: deque[str] = deque(maxlen=MAX_FINISHED_IDS)
         self._finished_sizes: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED_IDS)
-        self._cached_blocks: deque[int] = deque(maxlen=MAX_HEARTBEAT_CACHED_BLOCKS)
+        # Blocks cached and evicted since the last beat, each in one of them at most (its
+        # latest event), oldest first (dicts as ordered sets).
+        self._cached_blocks: dict[int, None] = {}
+        self._evicted_blocks: dict[int, None] = {}
         self._deliveries_s: deque[float] = deque(maxlen=MAX_DELIVERY_SAMPLES)
 
     def record_step(self, output: EngineStepOutput) -> None:
         self._samples.extend(output.samples)
-        self._cached_blocks.extend(output.cached_block_hashes)
+        _move_blocks(output.cached_block_hashes, self._evicted_blocks, self._cached_blocks)
+        _move_blocks(output.evicted_block_hashes, self._cached_blocks, self._evicted_blocks)
 
     def record_finished(self, request_id: str) -> None:
         self._finished.append(request_id)
@@ -80,12 +84,25 @@ class HeartbeatBuilder:
             finished_ids=tuple(self._finished), finished_sizes=tuple(self._finished_sizes), step_samples=tuple(self._samples),
             lag_p99_ms=lag_p99_ms, lag_mean_ms=lag_mean_ms, time_scale=self.engine.time_scale, engine_stats=self.engine.engine_stats(),
             truncated=len(running) > MAX_HEARTBEAT_REQUESTS or len(waiting) > MAX_HEARTBEAT_REQUESTS,
-            cached_block_hashes=tuple(self._cached_blocks), delivery_p90_ms=delivery_p90_ms)
+            cached_block_hashes=tuple(self._cached_blocks), evicted_block_hashes=tuple(self._evicted_blocks),
+            delivery_p90_ms=delivery_p90_ms)
         self._samples.clear()
         self._finished.clear()
         self._finished_sizes.clear()
         self._cached_blocks.clear()
+        self._evicted_blocks.clear()
         return beat
+
+
+def _move_blocks(block_hashes: Iterable[int], source: dict[int, None], into: dict[int, None]) -> None:
+    """Note ``block_hashes``' latest event: out of ``source``, last into ``into``, which keeps
+    the newest :data:`MAX_HEARTBEAT_CACHED_BLOCKS` (a beat's limit)."""
+    for block_hash in block_hashes:
+        source.pop(block_hash, None)
+        into.pop(block_hash, None)
+        into[block_hash] = None
+    while len(into) > MAX_HEARTBEAT_CACHED_BLOCKS:
+        del into[next(iter(into))]
 
 
 def _refined(progress: list[RequestProgress], source: RefinementSource) -> list[RequestProgress]:

@@ -55,6 +55,7 @@ class InFlight:
     last_token_at_s: float | None = None
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens the engine found cached (it said so)
     next_chunk_index: int = 0
     last_flush_at_s: float = 0.0
     text_parts: list[str] = field(default_factory=list)
@@ -80,6 +81,8 @@ class InFlight:
         if self.first_token_at_s is None:
             self.first_token_at_s = now_s
         self.last_token_at_s = now_s
+        if event.num_cached_tokens is not None:
+            self.num_cached_tokens = event.num_cached_tokens
         num_before = self.num_output_tokens
         self.num_output_tokens += event.num_new_tokens
         if self.num_output_tokens <= self.num_resumed_tokens:
@@ -252,6 +255,8 @@ def final_record(flight: InFlight, instance_id: str, time_scale: float, *, statu
         predicted_output_tokens=prediction.predicted_output_tokens if prediction else None,
         predicted_ttft_ms=assignment.predicted_ttft_ms if assignment else None,
         predicted_e2e_ms=assignment.predicted_e2e_ms if assignment else None,
+        cached_tokens=flight.num_cached_tokens,
+        predicted_cached_tokens=assignment.predicted_cached_tokens if assignment else None,
         error=error, **flight_timings(flight, time_scale))
 
 

@@ -247,6 +247,17 @@ class ClusterConfig:
         return VllmWanted(num_sharing, self.vllm_block_size, self.vllm_kv_cache_bytes,
                           self.vllm_gpu_memory_utilization, self.vllm_max_model_len, self.vllm_max_num_seqs)
 
+    def prefix_env(self) -> dict[str, str]:
+        """For embedded vLLM engines, the ``BLOCKQ_PREFIX_*`` settings every child gets:
+        prompts hashed with the served model's tokenizer and the engines' block size, the
+        blocks vLLM caches (:mod:`blockq.text.block_hashes`); nothing for other engines."""
+        if self.engine != "vllm" or not self.model:
+            return {}
+        env = {"BLOCKQ_PREFIX_TOKENIZER": self.model}
+        if self.vllm_block_size is not None:  # else vLLM's default, 16: the setting's default too
+            env["BLOCKQ_PREFIX_BLOCK_TOKENS"] = str(self.vllm_block_size)
+        return env
+
     def with_vllm_sizing(self, sizing: VllmSizing) -> ClusterConfig:
         """A copy with the block size and KV cache size ``sizing`` chose (None: left as is)."""
         return self.with_overrides(vllm_block_size=sizing.block_size, vllm_kv_cache_bytes=sizing.kv_cache_bytes)

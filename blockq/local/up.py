@@ -200,6 +200,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from blockq.runtime.logs import configure_logging
 
     configure_logging(settings.log_level, "supervisor")
+    # Children inherit it; a value the user set wins.
+    os.environ.update({name: value for name, value in config.prefix_env().items() if name not in os.environ})
     scaling = _scaling(config, settings)
     specs = [child_spec(config, name, argv) for name, argv in config.child_argvs(workers=scaling is None)]
     gateway_url = f"http://{config.gateway_host}:{config.gateway_port}" if config.gateway else None

@@ -13,6 +13,13 @@ next turn, whose prompt repeats this one and its answer, finds the answer's bloc
 The hash is blake2b truncated to 63 bits (a non-negative int64 in msgpack and numpy), not
 Python's ``hash``, which is salted per process: the predictor that computes the hashes,
 the dispatcher that indexes them and the engines that look them up must all agree.
+
+Which token ids and which block size is the fleet's :class:`PrefixScheme` (``Settings.prefix_scheme``):
+by default the project tokenizer and 16-token blocks (the emulated engine's); for vLLM
+engines, the served model's tokenizer (:mod:`blockq.text.model_tokenizer`) and the engines'
+KV block size, so that a request's hashes are those of the blocks vLLM caches for it. A
+vLLM worker names the blocks its engine caches and evicts by the same hashes, made from the
+token ids vLLM's KV events carry (:mod:`workers.engines.kv_events`).
 """
 
 from __future__ import annotations
@@ -21,22 +28,50 @@ import functools
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import structlog
 
+from blockq.text.model_tokenizer import PROJECT_TOKENIZER, encode_as_engine, tokenizer_fingerprint
 from blockq.text.tokenizer import AnswerTokenizer
 
 log = structlog.get_logger(__name__)
 
 PREFIX_BLOCK_TOKENS = 16
 # The parent of a prompt's first block: a fixed value, so the chain is reproducible.
-_ROOT_PARENT_HASH = 0
+ROOT_PARENT_HASH = 0
 _HASH_BITS = 63
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int = PREFIX_BLOCK_TOKENS) -> tuple[int, ...]:
+@dataclass(frozen=True)
+class PrefixScheme:
+    """How prompts become block hashes: blocks of ``block_tokens`` token ids, from the
+    tokenizer of the model in ``tokenizer_dir`` (None: the project tokenizer)."""
+
+    block_tokens: int = PREFIX_BLOCK_TOKENS
+    tokenizer_dir: str | None = None
+
+    @functools.cached_property
+    def tokenizer_id(self) -> str:
+        """What engines name the tokenizer by (``engine_config["prefix_tokenizer"]``)."""
+        return tokenizer_fingerprint(self.tokenizer_dir) if self.tokenizer_dir else PROJECT_TOKENIZER
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of text prompts, as the engines get them."""
+        if self.tokenizer_dir:
+            return encode_as_engine(self.tokenizer_dir, texts)
+        return _tokenizer().encode(list(texts))
+
+
+PROJECT_SCHEME = PrefixScheme()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int = PREFIX_BLOCK_TOKENS,
+                 parent_hash: int = ROOT_PARENT_HASH) -> tuple[int, ...]:
     """The chained hashes of the full ``block_size``-token blocks of ``token_ids``, in
-    order (``len(token_ids) // block_size`` of them; the partial last block has none).
+    order (``len(token_ids) // block_size`` of them; the partial last block has none),
+    the first one chained to ``parent_hash`` (that of the block before, for blocks that
+    continue a sequence).
 
     Each is a non-negative int below 2**63, the same in every process and on every host.
 
@@ -47,7 +82,6 @@ def block_hashes(token_ids: Sequence[int], block_size: int = PREFIX_BLOCK_TOKENS
         raise ValueError(f"block_size: must be >= 1 (got {block_size})")
     packer = _block_packer(block_size)
     hashes: list[int] = []
-    parent_hash = _ROOT_PARENT_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         digest = hashlib.blake2b(packer.pack(parent_hash, *token_ids[start:start + block_size]),
                                  digest_size=8).digest()
@@ -76,13 +110,14 @@ def prompt_token_ids(prompt: str | Sequence[int]) -> list[int]:
 
 
 def prompt_block_hashes(prompts: Sequence[str | Sequence[int]],
-                        block_size: int = PREFIX_BLOCK_TOKENS) -> list[tuple[int, ...]]:
-    """:func:`block_hashes` of each prompt's :func:`prompt_token_ids` (text prompts
-    tokenized in one call). Without the tokenizer's packages, text prompts get no hashes
-    (logged once): prefix caching then cannot be predicted for them, and nothing fails."""
+                        scheme: PrefixScheme = PROJECT_SCHEME) -> list[tuple[int, ...]]:
+    """:func:`block_hashes` of each prompt's token ids under ``scheme`` (text prompts
+    tokenized in one call; token-id prompts as they are). Without the tokenizer (its
+    packages or its files missing), text prompts get no hashes (logged once): prefix
+    caching then cannot be predicted for them, and nothing fails."""
     texts = [prompt for prompt in prompts if isinstance(prompt, str)]
-    text_ids = iter(_encode_texts(texts))
-    return [block_hashes(next(text_ids) if isinstance(prompt, str) else prompt, block_size)
+    text_ids = iter(_encode_texts(texts, scheme))
+    return [block_hashes(next(text_ids) if isinstance(prompt, str) else prompt, scheme.block_tokens)
             for prompt in prompts]
 
 
@@ -125,12 +160,12 @@ def continued_block_hashes(prompt: str | tuple[int, ...], prompt_hashes: tuple[i
     return full if full[:len(prompt_hashes)] == prompt_hashes else prompt_hashes
 
 
-def _encode_texts(texts: list[str]) -> list[list[int]]:
+def _encode_texts(texts: list[str], scheme: PrefixScheme) -> list[list[int]]:
     if not texts:
         return []
     try:
-        return _tokenizer().encode(texts)
-    except RuntimeError as exc:
+        return scheme.encode(texts)
+    except RuntimeError as exc:  # TokenizerUnavailable is one
         _warn_no_tokenizer(str(exc))
         return [[] for _ in texts]
 

@@ -88,7 +88,10 @@ class Heartbeat:
     hashes (:mod:`blockq.text.block_hashes`) of the output blocks that requests finished since the
     previous beat left in the prefix cache (the engine caches a block once it is full, prompt
     or output), at most :data:`MAX_HEARTBEAT_CACHED_BLOCKS`: what the dispatcher's prefix
-    index cannot know from the prompts it placed. ``delivery_p90_ms``: the p90 of the
+    index cannot know from the prompts it placed; an engine that names every block it
+    caches and evicts (vLLM's KV events) lists them all there, and those evicted since the
+    previous beat in ``evicted_block_hashes`` (a block is in one list or neither: the later
+    of its events wins). ``delivery_p90_ms``: the p90 of the
     wall ms from a placement's decision (the assignment's ``decided_at_s``) to the
     worker handing the request to its engine, over the worker's recent requests (None
     before the first): how long after a decision a step must start to include the request.
@@ -121,6 +124,7 @@ class Heartbeat:
     state_at_s: float | None = None
     cached_block_hashes: tuple[int, ...] = ()
     delivery_p90_ms: float | None = None
+    evicted_block_hashes: tuple[int, ...] = ()
 
     def to_map(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -130,6 +134,7 @@ class Heartbeat:
         data["finished_sizes"] = [list(s) for s in self.finished_sizes]
         data["step_samples"] = [list(s) for s in self.step_samples]
         data["cached_block_hashes"] = list(self.cached_block_hashes)
+        data["evicted_block_hashes"] = list(self.evicted_block_hashes)
         return {"v": SCHEMA_VERSION, "kind": "heartbeat", **data}
 
     @classmethod
@@ -151,6 +156,7 @@ class Heartbeat:
         values["state_at_s"] = float_field(data, "state_at_s", required=False)
         values["delivery_p90_ms"] = float_field(data, "delivery_p90_ms", required=False)
         values["cached_block_hashes"] = block_hash_list(data, "cached_block_hashes", MAX_HEARTBEAT_CACHED_BLOCKS)
+        values["evicted_block_hashes"] = block_hash_list(data, "evicted_block_hashes", MAX_HEARTBEAT_CACHED_BLOCKS)
         field_of(data, "instance_id", str)
         field_of(data, "seq", int)
         float_field(data, "sent_at_s")

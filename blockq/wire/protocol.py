@@ -163,6 +163,9 @@ class Assignment:
     decision_ms: float
     predicted_ttft_ms: float | None = None
     predicted_e2e_ms: float | None = None
+    # Prompt tokens the dispatcher's prefix index expects the instance to find cached
+    # (None: it keeps no index for the instance).
+    predicted_cached_tokens: int | None = None
 
     def to_map(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -176,6 +179,7 @@ class Assignment:
             decision_ms=float_field(data, "decision_ms"),
             predicted_ttft_ms=float_field(data, "predicted_ttft_ms", required=False),
             predicted_e2e_ms=float_field(data, "predicted_e2e_ms", required=False),
+            predicted_cached_tokens=_optional_int(data, "predicted_cached_tokens"),
         )
 
 
@@ -467,6 +471,10 @@ class FinalRecord:
     predicted_ttft_ms: float | None = None
     predicted_e2e_ms: float | None = None
     error: str | None = None
+    # Prompt tokens the engine found in its prefix cache, and those the dispatcher predicted
+    # it would (None: not known).
+    cached_tokens: int | None = None
+    predicted_cached_tokens: int | None = None
 
     def to_map(self) -> dict[str, Any]:
         return _reply_map(self, "final")

@@ -23,6 +23,8 @@ class TokenEvent(NamedTuple):
     finished: bool
     finish_reason: str | None = None      # "stop" | "length" when finished; "error" with error
     error: str | None = None              # why the engine failed the request (it is finished)
+    # When finished: prompt tokens the engine found in its prefix cache (None: it does not say).
+    num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,11 @@ class EngineStepOutput:
     # however many vLLM ran for the vLLM adapter.
     samples: tuple[tuple[int, int, int, float, int], ...] = ()
     lag_ms: float = 0.0
-    # With prefix caching: block hashes (blockq.text.block_hashes) of the output blocks that the
-    # requests finished in this step left cached; empty where the engine cannot name them.
+    # With prefix caching: block hashes (blockq.text.block_hashes) of blocks the engine cached
+    # since the last step (the emulated engine: the output blocks of the requests it
+    # finished; vLLM: every block its KV events name), and of those it evicted.
     cached_block_hashes: tuple[int, ...] = ()
+    evicted_block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,12 @@ this engine is built. What the beats carry, and where it comes from:
   that step's end (:meth:`VllmEngine.state_time_s`); requests the engine core has not
   taken in yet wait behind the rest with nothing computed. Until the first snapshot (and
   for a stand-in engine) the stat logger's counts are laid over arrival order, vLLM's
-  FCFS order.
+  FCFS order;
+- **blocks cached and evicted**, named by the project's block hashes: vLLM's KV cache events,
+  published on a private socket (:mod:`workers.engines.kv_events`); the engine config's
+  ``prefix_tokenizer`` names the model's tokenizer, so that the dispatcher predicts hits only
+  for requests hashed with it (``BLOCKQ_PREFIX_TOKENIZER``);
+- **prompt tokens found cached**, per request: vLLM's ``num_cached_tokens``, in the final record.
 
 A request vLLM refuses or fails (a prompt past ``max_model_len``, an out-of-vocabulary
 token id, an engine error) ends with an ``error`` event carrying vLLM's message, which
@@ -44,8 +49,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blockq.engine_model.latency import StepLatencyModel
+from blockq.text.model_tokenizer import served_tokenizer_id
 from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+from workers.engines.kv_events import KvEventFeed, kv_events_config
 from workers.engines.streamed import (
     EngineCounters,
     drain_events,
@@ -101,12 +108,13 @@ class EngineWillNotStart(RuntimeError):
     :data:`blockq.local.cluster_config.WILL_NOT_START_EXIT_CODE` instead."""
 
 
-def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> tuple[Any, Any]:
-    """vLLM's async engine for ``options``, its stat logger feeding ``stats``, and the
-    socket its scheduler sends snapshots to; EngineWillNotStart when vLLM refuses to start
-    (its own message says why: vLLM's engine-core process logs the cause before it)."""
+def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> tuple[Any, Any, KvEventFeed]:
+    """vLLM's async engine for ``options``, its stat logger feeding ``stats``, the socket its
+    scheduler sends snapshots to and the feed of its KV events; EngineWillNotStart when vLLM refuses to start (its own message says why: vLLM's
+    engine-core process logs the cause before it)."""
     try:
         from vllm import AsyncEngineArgs
+        from vllm.config import KVEventsConfig
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
     except ImportError as exc:
@@ -127,13 +135,17 @@ def build_vllm_engine(options: VllmEngineOptions, stats: VllmStats) -> tuple[Any
     options.apply_to_environment()
     state_socket, endpoint = _bind_state_socket()
     os.environ[STATE_ENDPOINT_ENV] = endpoint  # the engine-core process inherits it
+    kv_feed = KvEventFeed()
     try:
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**options.engine_args(), scheduler_cls=SCHEDULER_CLS),
-                                           stat_loggers=[_Logger])
+        events = KVEventsConfig(**kv_events_config(kv_feed.publish_endpoint))
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**options.engine_args(), scheduler_cls=SCHEDULER_CLS, kv_events_config=events),
+            stat_loggers=[_Logger])
     except Exception as exc:  # a configuration error in this process, or the engine core's death
         state_socket.close()
+        kv_feed.close()
         raise EngineWillNotStart(f"{type(exc).__name__}: {exc}") from exc
-    return engine, state_socket
+    return engine, state_socket, kv_feed
 
 
 def sampling_params(spec: EngineRequestSpec) -> Any:
@@ -170,15 +182,18 @@ class VllmEngine:
         self.stats = VllmStats()
         self.state = SnapshotReader()
         self._state_socket: Any = None  # None: a stand-in engine, no snapshots
+        self._kv_feed: KvEventFeed | None = None  # likewise, no KV events
         self._preempted_ids: list[str] = []
         if engine is None:
-            engine, self._state_socket = build_vllm_engine(options, self.stats)
+            engine, self._state_socket, self._kv_feed = build_vllm_engine(options, self.stats)
         self.engine = engine
         self.params_factory = params_factory
         self._tracked: dict[str, _Tracked] = {}  # in arrival order
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._origin_s = time.monotonic()
         self._config = _engine_config(self.engine, options)
+        if self._kv_feed is not None:
+            self._kv_feed.mirror.block_size = self._config["block_size"]  # known once vLLM started
         self._latency_model = profile_latency_model.to_dict() if profile_latency_model else None
 
     def engine_config(self) -> dict[str, Any]:
@@ -240,7 +255,9 @@ class VllmEngine:
         self.stats.samples.clear()
         self._read_state()
         preempted_ids, self._preempted_ids = tuple(self._preempted_ids), []
-        return EngineStepOutput(tuple(events), preempted_ids, self.model_time_s(), samples=samples)
+        cached, evicted = self._kv_feed.drain() if self._kv_feed is not None else ((), ())
+        return EngineStepOutput(tuple(events), preempted_ids, self.model_time_s(), samples=samples,
+                                cached_block_hashes=tuple(cached), evicted_block_hashes=tuple(evicted))
 
     def _read_state(self) -> EngineSnapshot | None:
         """The latest snapshot, after taking every one that has arrived (noting the
@@ -307,7 +324,9 @@ class VllmEngine:
         if finished:
             self._tracked.pop(request_id, None)
             self.state.forget(request_id)
-        self._events.put_nowait(TokenEvent(request_id, new_text, max(0, num_new_tokens), is_first, finished, reason))
+        cached_tokens = getattr(output, "num_cached_tokens", None) if finished else None
+        self._events.put_nowait(TokenEvent(request_id, new_text, max(0, num_new_tokens), is_first, finished, reason,
+                                           num_cached_tokens=cached_tokens))
 
     def shutdown(self) -> None:
         """Stop vLLM's engine-core and worker processes."""
@@ -315,6 +334,8 @@ class VllmEngine:
             self.engine.shutdown()
         if self._state_socket is not None:
             self._state_socket.close()
+        if self._kv_feed is not None:
+            self._kv_feed.close()
 
 
 def _bind_state_socket() -> tuple[Any, str]:
@@ -350,5 +371,6 @@ def _engine_config(engine: Any, options: VllmEngineOptions) -> dict[str, Any]:
             "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
             "max_model_len": int(config.model_config.max_model_len),
             # vLLM V1 admits without a free-block watermark
-            "watermark": 0.0, "enable_prefix_caching": bool(cache.enable_prefix_caching)}
+            "watermark": 0.0, "enable_prefix_caching": bool(cache.enable_prefix_caching),
+            "prefix_tokenizer": served_tokenizer_id(options.model)}
 

@@ -18,7 +18,16 @@ one instead of replacing it with an embedded engine (``blockq worker --engine vl
   from what this worker sent and saw streamed back: a request with tokens runs, having
   computed its prompt and its tokens but the last; one without waits;
 - **no step samples**: the server's steps are not visible, so the dispatcher's latency
-  model is a profile's (``--profile``) or its prior, never refitted from this instance.
+  model is a profile's (``--profile``) or its prior, never refitted from this instance;
+- **blocks cached and evicted**: when the server publishes its KV events
+  (``vllm serve --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+  "endpoint": "tcp://*:5557"}'``) and the worker is given where (``--kv-events-url
+  tcp://host:5557``), as the embedded engine reads them (:mod:`workers.engines.kv_events`);
+  the served model's directory (``--model``) names its tokenizer for the dispatcher's
+  prefix index. Without both, no hit is predicted on this instance;
+- **prompt tokens found cached**, per request: the final usage's
+  ``prompt_tokens_details.cached_tokens`` when the server reports it
+  (``--enable-prompt-tokens-details``).
 
 Nothing here imports vLLM: the worker needs only HTTP access to the server.
 """
@@ -38,8 +47,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockq.engine_model.latency import StepLatencyModel
+from blockq.text.model_tokenizer import served_tokenizer_id
 from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+from workers.engines.kv_events import KvEventFeed
 from workers.engines.streamed import (
     EngineCounters,
     drain_events,
@@ -83,12 +94,15 @@ class ServerMetrics(EngineCounters):
 @dataclass(frozen=True)
 class VllmHttpOptions:
     """The server's URL (``http://host:port``, no ``/v1``); its scheduler's limits, which it
-    does not publish; an API key when the server wants one (``vllm serve --api-key``)."""
+    does not publish; an API key when the server wants one (``vllm serve --api-key``); where
+    it publishes KV events and the served model's directory (its tokenizer)."""
 
     url: str
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     api_key: str | None = None
+    kv_events_url: str | None = None
+    model_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -135,7 +149,13 @@ class VllmHttpEngine:
             "block_size": int(float(cache.get("block_size") or 16)),
             "max_num_seqs": options.max_num_seqs, "max_num_batched_tokens": options.max_num_batched_tokens,
             "max_model_len": int(models[0].get("max_model_len") or 4096), "watermark": 0.0,
-            "enable_prefix_caching": cache.get("enable_prefix_caching") == "True"}
+            "enable_prefix_caching": cache.get("enable_prefix_caching") == "True",
+            # Without the server's KV events this worker cannot say what the server caches.
+            "prefix_tokenizer": served_tokenizer_id(options.model_dir if options.kv_events_url else None)}
+        self._kv_feed = None
+        if options.kv_events_url:
+            self._kv_feed = KvEventFeed(endpoint=options.kv_events_url)
+            self._kv_feed.mirror.block_size = self._config["block_size"]
         self._latency_model = profile_latency_model.to_dict() if profile_latency_model else None
         self._base = base
         self._tracked: dict[str, _Tracked] = {}  # in arrival order
@@ -204,7 +224,9 @@ class VllmHttpEngine:
         """Wait for the next tokens (up to 50 ms) and return everything streamed so far."""
         self._start()
         events = await drain_events(self._events)
-        return EngineStepOutput(tuple(events), (), self.model_time_s())
+        cached, evicted = self._kv_feed.drain() if self._kv_feed is not None else ((), ())
+        return EngineStepOutput(tuple(events), (), self.model_time_s(), cached_block_hashes=tuple(cached),
+                                evicted_block_hashes=tuple(evicted))
 
     def shutdown(self) -> None:
         for tracked in self._tracked.values():
@@ -212,6 +234,8 @@ class VllmHttpEngine:
                 tracked.task.cancel()
         if self._poller is not None:
             self._poller.cancel()
+        if self._kv_feed is not None:
+            self._kv_feed.close()
         if self._session is not None and not self._session.closed:
             with contextlib.suppress(RuntimeError):  # no loop left: the process is ending
                 asyncio.get_running_loop().create_task(self._session.close())
@@ -279,8 +303,11 @@ class VllmHttpEngine:
         if finished:
             self._tracked.pop(tracked.spec.request_id, None)
         reason = finish_reason if finish_reason in ("stop", "length") else ("stop" if finished else None)
-        self._events.put_nowait(TokenEvent(tracked.spec.request_id, choice.get("text") or "", num_new, is_first,
-                                           finished, reason))
+        details = usage.get("prompt_tokens_details") or {}
+        cached_tokens = details.get("cached_tokens") if finished and isinstance(details, dict) else None
+        self._events.put_nowait(TokenEvent(
+            tracked.spec.request_id, choice.get("text") or "", num_new, is_first, finished, reason,
+            num_cached_tokens=cached_tokens if isinstance(cached_tokens, int) else None))
 
 
 async def _sse_chunks(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
