@@ -44,7 +44,7 @@ def test_cli_places_every_request_and_returns() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["placed"] == result["in_redis"]["num_placed"] == result["in_redis"]["num_queue_entries"] == 50
-    assert result["all_decided"] and result["held"] == result["refused"] == 0
+    assert result["ended_by"] == "all decided" and result["held"] == result["unread"] == result["refused"] == 0
     assert result["placements_per_s"] > 0
 
 
@@ -54,13 +54,26 @@ def test_bench_ends_with_held_and_refused_requests_and_counts_each(redis_url: st
                             undecided_wait_s=1.0, request_factory=mixed_requests())
     took_s = time.monotonic() - started
     assert 1.0 < took_s < 20  # it waited for the held requests, a bounded time
-    assert (result["placed"], result["held"], result["refused"], result["rejected"]) == (60, 20, 20, 0)
-    assert not result["all_decided"]
+    assert (result["placed"], result["held"], result["refused"], result["rejected"], result["unread"]) == \
+        (60, 20, 20, 0, 0)
+    assert result["ended_by"] == "none decided for 1.0 s"
     # Redis agrees: one outcome per request, one queue entry per placement.
     in_redis = result["in_redis"]
-    assert (in_redis["num_placed"], in_redis["num_held"], in_redis["num_refused"]) == (60, 20, 20)
+    assert (in_redis["num_placed"], in_redis["num_held"], in_redis["num_refused"], in_redis["num_unread"]) == \
+        (60, 20, 20, 0)
     assert in_redis["num_queue_entries"] == 60
     assert in_redis["num_placed_and_refused"] == in_redis["num_dead_lettered"] == 0
     # The window ends at the last decision: the wait for the held ones is not in it.
     assert result["placements_per_s"] > 0 and result["seconds"] < took_s - 1.0
     assert sync_redis.keys("bench*") == []  # its keys are deleted
+
+
+def test_bench_stops_at_its_time_limit_with_every_request_accounted_for(redis_url: str) -> None:
+    result = run_placements(redis_url, policy="round_robin", instances=2, running=4, waiting=2, requests=10_000,
+                            max_seconds=0.3)
+    assert result["ended_by"] == "max_seconds (0.3 s)"
+    assert result["placed"] > 0 and result["unread"] > 0
+    in_redis = result["in_redis"]
+    assert (in_redis["num_placed"], in_redis["num_held"], in_redis["num_unread"]) == \
+        (result["placed"], result["held"], result["unread"])
+    assert result["placed"] + result["held"] + result["unread"] == 10_000

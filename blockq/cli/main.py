@@ -209,6 +209,8 @@ def _add_dispatch_bench(sub: argparse._SubParsersAction) -> None:
                         "is placed rather than refused for its wait)")
     p.add_argument("--undecided-wait", type=float, default=5.0,
                    help="--redis: end once no request has been decided for this long, s (those left are held)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="--redis: end after this long, s, whatever is left (default: no limit)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_dispatch_bench)
 
@@ -233,8 +235,9 @@ def cmd_dispatch_bench(args: argparse.Namespace) -> int:
         if "placements_per_s" in result:
             sys.stdout.write(f"{result['policy']:<16} {result['placements_per_s']:>10.0f} placements/s "
                              f"({result['requests']} requests: {result['placed']} placed, {result['refused']} "
-                             f"refused, {result['rejected']} rejected, {result['held']} held; "
-                             f"{result['instances']} instances, {result['beats_per_s']:.0f} beats/s)\n")
+                             f"refused, {result['rejected']} rejected, {result['held']} held, {result['unread']} "
+                             f"unread; {result['instances']} instances, {result['beats_per_s']:.0f} beats/s; "
+                             f"ended: {result['ended_by']})\n")
         else:
             sys.stdout.write(f"{result['policy']:<16} p50 {result['p50_ms']:.3f} ms  p99 {result['p99_ms']:.3f} ms  "
                              f"max {result['max_ms']:.3f} ms  {result['decisions_per_s']:.0f} decisions/s\n")
@@ -249,7 +252,8 @@ def _placements_on_redis(args: argparse.Namespace, policies: list[str], run_plac
     def run_all(redis_url: str) -> list[dict[str, Any]]:
         return [run_placements(redis_url, policy=p, instances=args.instances, running=args.running,
                                waiting=args.waiting, requests=args.requests, seed=args.seed,
-                               slo_ttft_ms=args.slo_ttft_ms, undecided_wait_s=args.undecided_wait)
+                               slo_ttft_ms=args.slo_ttft_ms, undecided_wait_s=args.undecided_wait,
+                               max_seconds=args.max_seconds)
                 for p in policies]
 
     if args.redis_url != "embedded":

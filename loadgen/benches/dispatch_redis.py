@@ -9,11 +9,12 @@ back from its queue), as a fleet that keeps pace with its arrivals would.
 
 **It ends whatever the outcomes.** Each request is placed, refused (infeasible: answered
 at once), dead-lettered (rejected), or held (no instance may take it now: it stays
-pending in ``ready`` and is offered again). The bench stops once every request is
-decided, or once none has been decided for ``undecided_wait_s`` (held requests, or a
-fleet not heard); the requests left then are reported held. The outcomes are counted by
-the dispatcher and read back from Redis (:func:`read_outcomes`), so a request with no
-outcome, or two, shows as a mismatch.
+pending in ``ready`` and is offered again); one the dispatcher has not read yet is
+unread. The bench stops once every request is decided, once none has been decided for
+``undecided_wait_s`` (held requests, or a dispatcher stuck in a step: the step is
+cancelled), or after ``max_seconds``. The outcomes are counted by the dispatcher and read
+back from Redis (:func:`read_outcomes`), so a request with no outcome, or two, shows as a
+mismatch.
 
 No cluster-wide TTFT objective by default (``slo_ttft_ms=0``): ``ready`` is filled before
 the clock starts, so the tail of a large backlog waits for its head, and with an
@@ -23,12 +24,15 @@ objective it would be refused for that wait rather than placed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.process import BaseProcess
+from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
 from typing import Any
 
@@ -58,13 +62,15 @@ PRESET = "llama2-7b-a30"
 # are built first, in a freshly spawned interpreter).
 FLEET_START_TIMEOUT_S = 120.0
 REDIS_CHUNK = 10_000  # commands per pipeline when filling ``ready`` and reading outcomes back
+HEARTBEATS_MAXLEN = 20_000  # the beat stream's cap, as the workers keep it (workers/worker.py)
 
 RequestFactory = Callable[[random.Random, Keys, float], Request]
 
 
 def beat_fleet(redis_url: str, key_prefix: str, num_instances: int, running: int, waiting: int, seed: int,
-               first_round_done: Event, stop: Event) -> None:
-    """Child process: ``num_instances`` instances beating every 100 ms until ``stop``.
+               num_rounds: Synchronized, stop: Event) -> None:
+    """Child process: ``num_instances`` instances beating every 100 ms until ``stop``;
+    ``num_rounds`` counts the rounds of beats written (late rounds are not skipped).
 
     The load never changes, so each instance's beat map is built once and only its
     sequence number, times and finished ids are set per round: a round of 1,024 beats
@@ -87,9 +93,10 @@ def beat_fleet(redis_url: str, key_prefix: str, num_instances: int, running: int
                 beat = {**beat_map, "seq": seq, "sent_at_s": time.time(),
                         "engine_time_s": time.perf_counter() - started_at,
                         "finished_ids": finished.get(instance_id, [])}
-                pipe.xadd(keys.heartbeats, {PAYLOAD_FIELD: encode(beat)})
+                pipe.xadd(keys.heartbeats, {PAYLOAD_FIELD: encode(beat)}, maxlen=HEARTBEATS_MAXLEN,
+                          approximate=True)
             pipe.execute()
-            first_round_done.set()
+            num_rounds.value = seq
             next_round_at += HEARTBEAT_INTERVAL_S
             stop.wait(max(0.0, next_round_at - time.perf_counter()))
     finally:
@@ -108,29 +115,40 @@ def _read_placed(client: redis.Redis, queue_positions: dict[str, str],
     return finished
 
 
-def _start_fleet(redis_url: str, keys: Keys, instances: int, running: int, waiting: int,
-                 seed: int) -> tuple[BaseProcess, Event]:
-    """The fleet's process (spawned: this one runs an event loop and holds connections)
-    and its stop event, once its first round of beats is in Redis."""
-    context = get_context("spawn")
-    first_round_done, stop = context.Event(), context.Event()
-    fleet = context.Process(target=beat_fleet, name="dispatch-bench-fleet", daemon=True,
-                            args=(redis_url, keys.prefix, instances, running, waiting, seed, first_round_done, stop))
-    fleet.start()
-    deadline = time.monotonic() + FLEET_START_TIMEOUT_S
-    while not first_round_done.wait(0.1):
-        if not fleet.is_alive() or time.monotonic() > deadline:
-            _stop_fleet(fleet, stop)
-            raise RuntimeError(f"dispatch-bench: the emulated fleet did not beat (exit code {fleet.exitcode})")
-    return fleet, stop
+@dataclass
+class EmulatedFleet:
+    """The fleet's process (:func:`beat_fleet`), its stop event and its count of rounds."""
 
+    process: BaseProcess
+    stop: Event
+    num_rounds: Synchronized
 
-def _stop_fleet(fleet: BaseProcess, stop: Event) -> None:
-    stop.set()
-    fleet.join(10)
-    if fleet.is_alive():
-        fleet.terminate()
-        fleet.join()
+    @classmethod
+    def start(cls, redis_url: str, keys: Keys, instances: int, running: int, waiting: int,
+              seed: int) -> EmulatedFleet:
+        """Spawn it (this process runs an event loop and holds connections: no fork) and
+        wait until its first round of beats is in Redis."""
+        context = get_context("spawn")
+        stop, num_rounds = context.Event(), context.Value("q", 0)
+        process = context.Process(target=beat_fleet, name="dispatch-bench-fleet", daemon=True,
+                                  args=(redis_url, keys.prefix, instances, running, waiting, seed, num_rounds, stop))
+        fleet = cls(process, stop, num_rounds)
+        process.start()
+        deadline = time.monotonic() + FLEET_START_TIMEOUT_S
+        while fleet.num_rounds.value < 1:
+            if not fleet.process.is_alive() or time.monotonic() > deadline:
+                fleet.close()
+                raise RuntimeError(f"dispatch-bench: the emulated fleet did not beat "
+                                   f"(exit code {fleet.process.exitcode})")
+            time.sleep(0.05)
+        return fleet
+
+    def close(self) -> None:
+        self.stop.set()
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
 
 
 async def _fill_ready(client: aioredis.Redis, keys: Keys, num_requests: int, rng: random.Random,
@@ -153,23 +171,42 @@ def num_decided(dispatcher: Dispatcher) -> int:
     return stats.num_placed + stats.num_infeasible + stats.num_rejected
 
 
-async def _place_until_decided(dispatcher: Dispatcher, num_requests: int, undecided_wait_s: float) -> float:
-    """Step ``dispatcher`` until ``num_requests`` are decided, or none has been for
-    ``undecided_wait_s``; the seconds from the first step to the last decision."""
+async def _place_until_decided(dispatcher: Dispatcher, num_requests: int, undecided_wait_s: float,
+                               max_seconds: float | None) -> tuple[float, str]:
+    """Step ``dispatcher`` until ``num_requests`` are decided, none has been for
+    ``undecided_wait_s`` or ``max_seconds`` have passed. Returns the seconds from the first
+    step to the last decision, and why it ended."""
     started_at = last_decided_at = time.perf_counter()
+    stop_at = started_at + (max_seconds if max_seconds is not None else float("inf"))
     decided = 0
-    while decided < num_requests and time.perf_counter() - last_decided_at <= undecided_wait_s:
-        await dispatcher.step()
+    while decided < num_requests and time.perf_counter() < stop_at:
+        # A step may not end at all (one that reads beats until it has caught up with a
+        # fleet beating faster than it reads): it gets what is left of the wait. The time
+        # limit is checked between steps only, so that no decision is cut off from its write.
+        wait_left_s = last_decided_at + undecided_wait_s - time.perf_counter()
+        if wait_left_s <= 0:
+            break
+        try:
+            await asyncio.wait_for(dispatcher.step(), wait_left_s)
+        except TimeoutError:
+            break
         if num_decided(dispatcher) > decided:
             decided, last_decided_at = num_decided(dispatcher), time.perf_counter()
-    return last_decided_at - started_at
+    if decided == num_requests:
+        ended_by = "all decided"
+    elif time.perf_counter() >= stop_at:
+        ended_by = f"max_seconds ({max_seconds} s)"
+    else:
+        ended_by = f"none decided for {undecided_wait_s} s"
+    # The window ends at the last decision; with none, it is all the time stepped.
+    return (last_decided_at if decided else time.perf_counter()) - started_at, ended_by
 
 
 async def read_outcomes(client: aioredis.Redis, keys: Keys, request_ids: list[str],
                         instance_ids: list[str]) -> dict[str, int]:
     """Each request's outcome as Redis holds it: placed (its owner key, set with its queue
-    entry), refused (its final flag: the infeasible answer), dead-lettered, held (pending in
-    ``ready``, or never read). ``num_queue_entries`` counts the instance queues' entries
+    entry), refused (its final flag: the infeasible answer), dead-lettered, held (read and
+    pending in ``ready``), unread. ``num_queue_entries`` counts the instance queues' entries
     (one per placement); ``num_placed_and_refused``: requests with both marks."""
     marks: list[int] = []
     for first in range(0, len(request_ids), REDIS_CHUNK):
@@ -190,7 +227,7 @@ async def read_outcomes(client: aioredis.Redis, keys: Keys, request_ids: list[st
     # Redis 6.2 has no group lag: the entries after the last delivered one were never read.
     never_read = await client.xrange(keys.ready, min=f"({last_delivered}", max="+")
     return {"num_placed": sum(placed), "num_refused": sum(refused), "num_dead_lettered": num_dead,
-            "num_held": group["pending"] + len(never_read), "num_queue_entries": sum(queue_lengths),
+            "num_held": group["pending"], "num_unread": len(never_read), "num_queue_entries": sum(queue_lengths),
             "num_placed_and_refused": sum(1 for p, r in zip(placed, refused, strict=True) if p and r)}
 
 
@@ -207,7 +244,7 @@ async def _delete_keys(client: aioredis.Redis, keys: Keys) -> None:
 
 async def bench_placements(redis_url: str, *, policy: str = "round_robin", instances: int = 16,
                            running: int = 48, waiting: int = 20, requests: int = 10_000, seed: int = 0,
-                           slo_ttft_ms: int = 0, undecided_wait_s: float = 5.0,
+                           slo_ttft_ms: int = 0, undecided_wait_s: float = 5.0, max_seconds: float | None = None,
                            request_factory: RequestFactory = make_request) -> dict[str, Any]:
     """Placements/s of a real dispatcher from ``ready`` to the instance queues, and every
     request's outcome (see the module docstring). Keys live under a fresh prefix, deleted
@@ -218,42 +255,52 @@ async def bench_placements(redis_url: str, *, policy: str = "round_robin", insta
     client = connect_async(redis_url)
     dispatcher = create_dispatcher(client, settings, policy, dispatcher_id="bench", seed=seed,
                                    options=DispatcherOptions(batch_size=256, dead_after_s=3600))
-    fleet: tuple[BaseProcess, Event] | None = None
+    fleet: EmulatedFleet | None = None
     try:
         await dispatcher.consumer.ensure_group()
-        fleet = await asyncio.to_thread(_start_fleet, redis_url, keys, instances, running, waiting, seed)
-        await dispatcher.follow_heartbeats()
+        fleet = await asyncio.to_thread(EmulatedFleet.start, redis_url, keys, instances, running, waiting, seed)
+        await _catch_up_with_beats(dispatcher, undecided_wait_s)
         prepare_for_decisions(dispatcher.core)
         request_ids = await _fill_ready(client, keys, requests, random.Random(seed + 1), request_factory)
         # The beats of the start-up (compiling the simulation can take seconds) are not
         # the window's work: read them before the clock starts.
-        await dispatcher.follow_heartbeats()
-        num_beats_before = dispatcher.core.stats.num_beats_applied
-        elapsed_s = await _place_until_decided(dispatcher, requests, undecided_wait_s)
+        await _catch_up_with_beats(dispatcher, undecided_wait_s)
+        num_beats_before, num_rounds_before = dispatcher.core.stats.num_beats_applied, fleet.num_rounds.value
+        elapsed_s, ended_by = await _place_until_decided(dispatcher, requests, undecided_wait_s, max_seconds)
         num_beats = dispatcher.core.stats.num_beats_applied - num_beats_before
-        if not fleet[0].is_alive():
-            raise RuntimeError(f"dispatch-bench: the emulated fleet exited ({fleet[0].exitcode}) during the run")
+        num_beats_sent = (fleet.num_rounds.value - num_rounds_before) * instances
+        if not fleet.process.is_alive():
+            raise RuntimeError(f"dispatch-bench: the emulated fleet exited ({fleet.process.exitcode}) during the run")
         in_redis = await read_outcomes(client, keys, request_ids, [f"i{k}" for k in range(instances)])
     finally:
         if fleet is not None:
-            await asyncio.to_thread(_stop_fleet, *fleet)
+            await asyncio.to_thread(fleet.close)
         await _delete_keys(client, keys)
         await client.aclose()
-    return _summary(dispatcher, policy, instances, requests, elapsed_s, num_beats, in_redis)
+    return {"policy": policy, "instances": instances, "requests": requests, "ended_by": ended_by,
+            **_summary(dispatcher, requests, elapsed_s, num_beats), "beats_sent_per_s": num_beats_sent / max(elapsed_s, 1e-9),
+            "in_redis": in_redis}
 
 
-def _summary(dispatcher: Dispatcher, policy: str, instances: int, requests: int, elapsed_s: float,
-             num_beats: int, in_redis: dict[str, int]) -> dict[str, Any]:
+async def _catch_up_with_beats(dispatcher: Dispatcher, wait_s: float) -> None:
+    """Apply the beats published so far; at most ``wait_s``, since a dispatcher that reads
+    beats slower than the fleet writes them never catches up (the read is cancelled)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(dispatcher.follow_heartbeats(), wait_s)
+
+
+def _summary(dispatcher: Dispatcher, requests: int, elapsed_s: float, num_beats: int) -> dict[str, Any]:
+    """The dispatcher's counts and rates over the window (from the first step to the last
+    decision)."""
     stats = dispatcher.core.stats
     decision_ms = np.array(dispatcher.decision_ms or [0.0])
     elapsed_s = max(elapsed_s, 1e-9)
-    return {"policy": policy, "instances": instances, "requests": requests,
-            "placed": stats.num_placed, "refused": stats.num_infeasible, "rejected": stats.num_rejected,
-            "held": requests - num_decided(dispatcher), "all_decided": num_decided(dispatcher) == requests,
-            "seconds": elapsed_s, "placements_per_s": stats.num_placed / elapsed_s,
+    num_held = len(dispatcher.unplaced)
+    return {"placed": stats.num_placed, "refused": stats.num_infeasible, "rejected": stats.num_rejected,
+            "held": num_held, "unread": requests - num_decided(dispatcher) - num_held, "seconds": elapsed_s, "placements_per_s": stats.num_placed / elapsed_s,
             "decisions_per_s": num_decided(dispatcher) / elapsed_s, "beats_per_s": num_beats / elapsed_s,
             "decision_p50_ms": float(np.percentile(decision_ms, 50)),
-            "decision_p99_ms": float(np.percentile(decision_ms, 99)), "in_redis": in_redis}
+            "decision_p99_ms": float(np.percentile(decision_ms, 99))}
 
 
 def run_placements(redis_url: str, **kwargs: Any) -> dict[str, Any]:
