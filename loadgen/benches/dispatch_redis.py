@@ -152,17 +152,21 @@ class EmulatedFleet:
 
 
 async def _fill_ready(client: aioredis.Redis, keys: Keys, num_requests: int, rng: random.Random,
-                      request_factory: RequestFactory) -> list[str]:
-    """Add ``num_requests`` requests to ``ready``, stamped with the wall clock; their ids."""
-    request_ids: list[str] = []
+                      request_factory: RequestFactory) -> dict[str, str]:
+    """Add ``num_requests`` requests to ``ready``, stamped with the wall clock; their ids
+    by their entry ids there."""
+    request_of_entry: dict[str, str] = {}
     for first in range(0, num_requests, REDIS_CHUNK):
         pipe = client.pipeline(transaction=False)
+        request_ids = []
         for _ in range(first, min(num_requests, first + REDIS_CHUNK)):
             request = request_factory(rng, keys, time.time())
             request_ids.append(request.id)
             pipe.xadd(keys.ready, {PAYLOAD_FIELD: encode(request)})
-        await pipe.execute()
-    return request_ids
+        entry_ids = await pipe.execute()
+        request_of_entry.update((entry_id.decode(), request_id) for entry_id, request_id
+                                in zip(entry_ids, request_ids, strict=True))
+    return request_of_entry
 
 
 def num_decided(dispatcher: Dispatcher) -> int:
@@ -202,12 +206,18 @@ async def _place_until_decided(dispatcher: Dispatcher, num_requests: int, undeci
     return (last_decided_at if decided else time.perf_counter()) - started_at, ended_by
 
 
-async def read_outcomes(client: aioredis.Redis, keys: Keys, request_ids: list[str],
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    milliseconds, sequence = entry_id.split("-")
+    return int(milliseconds), int(sequence)
+
+
+async def read_outcomes(client: aioredis.Redis, keys: Keys, request_of_entry: dict[str, str],
                         instance_ids: list[str]) -> dict[str, int]:
     """Each request's outcome as Redis holds it: placed (its owner key, set with its queue
     entry), refused (its final flag: the infeasible answer), dead-lettered, held (read and
     pending in ``ready``), unread. ``num_queue_entries`` counts the instance queues' entries
     (one per placement); ``num_placed_and_refused``: requests with both marks."""
+    request_ids = list(request_of_entry.values())
     marks: list[int] = []
     for first in range(0, len(request_ids), REDIS_CHUNK):
         pipe = client.pipeline(transaction=False)
@@ -223,11 +233,11 @@ async def read_outcomes(client: aioredis.Redis, keys: Keys, request_ids: list[st
     pipe.xinfo_groups(keys.ready)
     *queue_lengths, num_dead, groups = await pipe.execute()
     (group,) = [g for g in groups if g["name"].decode() == GROUP_DISPATCH]
-    last_delivered = group["last-delivered-id"].decode()
     # Redis 6.2 has no group lag: the entries after the last delivered one were never read.
-    never_read = await client.xrange(keys.ready, min=f"({last_delivered}", max="+")
+    last_delivered = _entry_order(group["last-delivered-id"].decode())
+    num_unread = sum(1 for entry_id in request_of_entry if _entry_order(entry_id) > last_delivered)
     return {"num_placed": sum(placed), "num_refused": sum(refused), "num_dead_lettered": num_dead,
-            "num_held": group["pending"], "num_unread": len(never_read), "num_queue_entries": sum(queue_lengths),
+            "num_held": group["pending"], "num_unread": num_unread, "num_queue_entries": sum(queue_lengths),
             "num_placed_and_refused": sum(1 for p, r in zip(placed, refused, strict=True) if p and r)}
 
 
@@ -261,7 +271,7 @@ async def bench_placements(redis_url: str, *, policy: str = "round_robin", insta
         fleet = await asyncio.to_thread(EmulatedFleet.start, redis_url, keys, instances, running, waiting, seed)
         await _catch_up_with_beats(dispatcher, undecided_wait_s)
         prepare_for_decisions(dispatcher.core)
-        request_ids = await _fill_ready(client, keys, requests, random.Random(seed + 1), request_factory)
+        request_of_entry = await _fill_ready(client, keys, requests, random.Random(seed + 1), request_factory)
         # The beats of the start-up (compiling the simulation can take seconds) are not
         # the window's work: read them before the clock starts.
         await _catch_up_with_beats(dispatcher, undecided_wait_s)
@@ -271,7 +281,7 @@ async def bench_placements(redis_url: str, *, policy: str = "round_robin", insta
         num_beats_sent = (fleet.num_rounds.value - num_rounds_before) * instances
         if not fleet.process.is_alive():
             raise RuntimeError(f"dispatch-bench: the emulated fleet exited ({fleet.process.exitcode}) during the run")
-        in_redis = await read_outcomes(client, keys, request_ids, [f"i{k}" for k in range(instances)])
+        in_redis = await read_outcomes(client, keys, request_of_entry, [f"i{k}" for k in range(instances)])
     finally:
         if fleet is not None:
             await asyncio.to_thread(fleet.close)
