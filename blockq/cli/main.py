@@ -204,12 +204,20 @@ def _add_dispatch_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis", dest="redis_url", default=None,
                    help="measure placements/s through a real dispatcher on this Redis ('embedded' starts one)")
+    p.add_argument("--slo-ttft-ms", type=int, default=0,
+                   help="--redis: the cluster's TTFT objective, ms (default 0: none, so a pre-filled backlog "
+                        "is placed rather than refused for its wait)")
+    p.add_argument("--undecided-wait", type=float, default=5.0,
+                   help="--redis: end once no request has been decided for this long, s (those left are held)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="--redis: end after this long, s, whatever is left (default: no limit)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_dispatch_bench)
 
 
 def cmd_dispatch_bench(args: argparse.Namespace) -> int:
-    from loadgen.benches.dispatch import bench_decisions, run_placements
+    from loadgen.benches.dispatch import bench_decisions
+    from loadgen.benches.dispatch_redis import run_placements
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     results = []
@@ -226,7 +234,10 @@ def cmd_dispatch_bench(args: argparse.Namespace) -> int:
     for result in results:
         if "placements_per_s" in result:
             sys.stdout.write(f"{result['policy']:<16} {result['placements_per_s']:>10.0f} placements/s "
-                             f"({result['requests']} requests, {result['instances']} instances)\n")
+                             f"({result['requests']} requests: {result['placed']} placed, {result['refused']} "
+                             f"refused, {result['rejected']} rejected, {result['held']} held, {result['unread']} "
+                             f"unread; {result['instances']} instances, {result['beats_per_s']:.0f} beats/s; "
+                             f"ended: {result['ended_by']})\n")
         else:
             sys.stdout.write(f"{result['policy']:<16} p50 {result['p50_ms']:.3f} ms  p99 {result['p99_ms']:.3f} ms  "
                              f"max {result['max_ms']:.3f} ms  {result['decisions_per_s']:.0f} decisions/s\n")
@@ -238,14 +249,19 @@ def _placements_on_redis(args: argparse.Namespace, policies: list[str], run_plac
 
     from blockq.local.embedded_redis import start_embedded_redis
 
+    def run_all(redis_url: str) -> list[dict[str, Any]]:
+        return [run_placements(redis_url, policy=p, instances=args.instances, running=args.running,
+                               waiting=args.waiting, requests=args.requests, seed=args.seed,
+                               slo_ttft_ms=args.slo_ttft_ms, undecided_wait_s=args.undecided_wait,
+                               max_seconds=args.max_seconds)
+                for p in policies]
+
     if args.redis_url != "embedded":
-        return [run_placements(args.redis_url, policy=p, instances=args.instances, running=args.running,
-                               waiting=args.waiting, requests=args.requests, seed=args.seed) for p in policies]
+        return run_all(args.redis_url)
     with tempfile.TemporaryDirectory(prefix="blockq-dispatch-bench-") as tmp:
         server = start_embedded_redis(Path(tmp))
         try:
-            return [run_placements(server.url, policy=p, instances=args.instances, running=args.running,
-                                   waiting=args.waiting, requests=args.requests, seed=args.seed) for p in policies]
+            return run_all(server.url)
         finally:
             server.stop()
 

@@ -10,16 +10,12 @@ Reports per-decision wall time (choosing plus recording the assignment) and, apa
 time spent applying heartbeats (which is where replicas are rebuilt). Start-up work is
 done before the clock starts, as the dispatcher does it (:func:`prepare_for_decisions`).
 
-Redis mode (``--redis``): a real :class:`Dispatcher` against Redis, ``ready`` pre-filled
-with annotated requests; reports placements/s from ``ready`` to the instance queues. The
-instances are in a steady state: every 100 ms each one beats the same load (``--running``
-/ ``--waiting``) and reports as finished what was placed on it since its last beat (read
-back from its queue), as a fleet that keeps pace with its arrivals would.
+Redis mode (``--redis``): placements/s of a real dispatcher, in
+:mod:`loadgen.benches.dispatch_redis`; it builds its requests and beats with the helpers here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 import uuid
@@ -27,27 +23,28 @@ from typing import Any
 
 import numpy as np
 
-from blockq.config import Settings
 from blockq.engine_model import EngineRequest, EngineScheduler, get_preset
 from blockq.wire.beats import Heartbeat, RequestProgress
 from blockq.wire.health import InstanceState
-from blockq.wire.keys import PAYLOAD_FIELD, Keys
-from blockq.wire.protocol import Prediction, Request, decode_request, encode
-from blockq.wire.streams import connect_async
+from blockq.wire.keys import Keys
+from blockq.wire.protocol import Prediction, Request
 from dispatcher.core import DispatcherCore, Placed
-from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for_decisions
+from dispatcher.service import prepare_for_decisions
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 from loadgen.benches.emulated_engine import sharegpt_like_lengths
 
 HEARTBEAT_INTERVAL_S = 0.1
 
 
-def make_request(rng: random.Random, keys: Keys) -> Request:
+def make_request(rng: random.Random, keys: Keys, submitted_at_s: float = 0.0) -> Request:
+    """A request of ShareGPT-like lengths with a prediction around its true output length.
+    ``submitted_at_s``: on the clock its dispatcher measures waits with (the virtual clock
+    of the pure bench, which starts at 0; the wall clock through Redis)."""
     prompt_tokens, output_tokens = sharegpt_like_lengths(rng)
     request_id = uuid.uuid4().hex
     spread = rng.uniform(1.5, 3.0)
     return Request(id=request_id, prompt=tuple([1] * prompt_tokens), max_tokens=4096 - prompt_tokens,
-                   reply_stream=keys.reply(request_id), submitted_at_s=0.0, true_output_tokens=output_tokens,
+                   reply_stream=keys.reply(request_id), submitted_at_s=submitted_at_s, true_output_tokens=output_tokens,
                    prediction=Prediction(prompt_tokens, output_tokens, max(1, int(output_tokens / spread)),
                                          int(output_tokens * spread), "bench"))
 
@@ -141,69 +138,3 @@ def bench_decisions(*, policy: str = "block", instances: int = 16, running: int 
             "heartbeat_p50_ms": float(np.percentile(beat_ms, 50)),
             "heartbeat_p99_ms": float(np.percentile(beat_ms, 99)),
             "heartbeat_ms_per_s": float(beat_ms.sum() / max(requests / rate_per_s, 1e-9))}
-
-
-async def bench_placements(redis_url: str, *, policy: str = "round_robin", instances: int = 16,
-                           running: int = 48, waiting: int = 20, requests: int = 10_000,
-                           seed: int = 0) -> dict[str, Any]:
-    """Sustained placements/s of a real dispatcher from ``ready`` to instance queues."""
-    settings = Settings(redis_url=redis_url, key_prefix=f"bench{uuid.uuid4().hex[:6]}:", log_level="warning")
-    keys = settings.keys
-    rng = random.Random(seed)
-    client = connect_async(redis_url)
-    dispatcher = create_dispatcher(client, settings, policy, dispatcher_id="bench", seed=seed,
-                                   options=DispatcherOptions(batch_size=256, dead_after_s=3600))
-    await dispatcher.consumer.ensure_group()
-    preset = "llama2-7b-a30"
-    engines = {f"i{k}": loaded_scheduler(rng, preset, running, waiting) for k in range(instances)}
-    queue_positions = {keys.instance_queue(instance_id): "0-0" for instance_id in engines}
-    instance_of_queue = {keys.instance_queue(instance_id): instance_id for instance_id in engines}
-    clock_started = time.perf_counter()
-
-    async def publish_beats(seq: int) -> None:
-        # What was placed since the last beat is reported finished, and the load stays
-        # the same: the steady state of a fleet that keeps pace with its arrivals.
-        placed = await client.xread(queue_positions) if seq > 1 else []
-        finished: dict[str, list[str]] = {instance_id: [] for instance_id in engines}
-        for stream, entries in placed:
-            queue = stream.decode()
-            queue_positions[queue] = entries[-1][0].decode()
-            finished[instance_of_queue[queue]].extend(decode_request(f[PAYLOAD_FIELD.encode()]).id for _, f in entries)
-        beat_pipe = client.pipeline(transaction=False)
-        for instance_id, engine in engines.items():
-            engine.now_s = time.perf_counter() - clock_started
-            beat = heartbeat_of(instance_id, engine, seq, time.time(), preset, tuple(finished[instance_id]))
-            beat_pipe.xadd(keys.heartbeats, {PAYLOAD_FIELD: encode(beat)})
-        await beat_pipe.execute()
-
-    await publish_beats(1)
-    await dispatcher.follow_heartbeats()
-    prepare_for_decisions(dispatcher.core)
-    pipe = client.pipeline(transaction=False)
-    for _ in range(requests):
-        pipe.xadd(keys.ready, {PAYLOAD_FIELD: encode(make_request(rng, keys))})
-    await pipe.execute()
-    started = time.perf_counter()
-    next_beat_at = started + HEARTBEAT_INTERVAL_S
-    seq = 1
-    while dispatcher.num_placed < requests:
-        await dispatcher.step()
-        if time.perf_counter() >= next_beat_at:
-            seq += 1
-            await publish_beats(seq)
-            next_beat_at += HEARTBEAT_INTERVAL_S
-    elapsed_s = time.perf_counter() - started
-    placed = sum([await client.xlen(queue) for queue in queue_positions])
-    keys_to_delete = [key async for key in client.scan_iter(match=f"{keys.prefix}*")]
-    if keys_to_delete:
-        await client.delete(*keys_to_delete)
-    await client.aclose()
-    decision_ms = np.array(dispatcher.decision_ms or [0.0])
-    return {"policy": policy, "instances": instances, "requests": requests, "placed": placed,
-            "seconds": elapsed_s, "placements_per_s": requests / elapsed_s,
-            "decision_p50_ms": float(np.percentile(decision_ms, 50)),
-            "decision_p99_ms": float(np.percentile(decision_ms, 99))}
-
-
-def run_placements(redis_url: str, **kwargs: Any) -> dict[str, Any]:
-    return asyncio.run(bench_placements(redis_url, **kwargs))
