@@ -19,6 +19,7 @@ from blockq.runtime.metrics_server import (
     serving_metrics,
 )
 from blockq.runtime.service_runner import add_common_arguments, run_service, settings_from_args
+from blockq.text.model_tokenizer import TokenizerUnavailable
 from blockq.text.tokenizer import TokenCounter, get_token_counter
 from blockq.wire.streams import connect_async, default_consumer_name
 from predictor_service.http_api import TOKEN_ENV, HttpAccessOptions
@@ -108,6 +109,13 @@ def run_serve(args: argparse.Namespace) -> int:
     http_access_from_args(args)
     predictor = load_predictor(args.backend, args.model_dir)
     token_counter = get_token_counter(args.tokenizer)
+    # The served model's tokenizer loads now, before any request waits: lazily, the first
+    # batch waited seconds for `transformers` to import, and was refused as past its TTFT SLO.
+    if settings.prefix_tokenizer:
+        try:
+            settings.prefix_scheme.encode(["warm-up"])
+        except TokenizerUnavailable as exc:
+            raise ConfigError(f"prefix_tokenizer: {exc}") from None
 
     async def main(stop: asyncio.Event) -> None:
         client = connect_async(settings.redis_url)
