@@ -45,6 +45,7 @@ class BenchConfig:
     trace: str = "synthetic"
     instances: int = 12
     instances_per_process: int = 6
+    cells: int = 1  # the instances split into this many cells behind one front (blockq.cells)
     preset: str = "llama2-7b-a30"
     policies: tuple[str, ...] = ("round_robin", "llumnix", "block", "oracle")
     rates: tuple[float, ...] = (20.0, 24.0, 28.0, 32.0)
