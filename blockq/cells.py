@@ -41,6 +41,12 @@ class CellSpec:
         return self.prefix
 
 
+def numbered_cell_prefix(index: int) -> str:
+    """The key prefix of cell ``index`` of a numbered set (``blockq up --cells``,
+    ``blockq bench --cells``): hash-tagged, so each cell is one slot on Redis Cluster."""
+    return f"{{cell{index}}}:"
+
+
 def parse_cells(text: str) -> tuple[CellSpec, ...]:
     """Cells from ``BLOCKQ_CELLS``: entries separated by whitespace, each ``PREFIX`` or
     ``PREFIX=REDIS_URL`` (URLs may hold commas: Sentinel and Cluster lists). Raises

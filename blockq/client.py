@@ -360,6 +360,7 @@ class AsyncClient:
         self.router = CellRouter(links, self.settings, clock)
         self.redis = links[0].redis  # the (first) cell's Redis
         self._admit = links[0].admit
+        self._loads_read: asyncio.Future[None] | None = None
 
     async def submit(self, prompt: str | list[int] | tuple[int, ...], **options: Any) -> AsyncHandle:
         return (await self.submit_many([SubmitSpec(prompt=prompt, **options)]))[0]
@@ -371,7 +372,11 @@ class AsyncClient:
             return []
         now_s = self.router.clock()
         if self.router.loads_due(now_s):
-            await self._read_loads()
+            self._loads_read = asyncio.ensure_future(self._read_loads())
+        if self._loads_read is not None and not self._loads_read.done():
+            # Concurrent submissions wait for the read in flight rather than choose blind
+            # (shielded: a cancelled submission does not cancel the others' read).
+            await asyncio.shield(self._loads_read)
         tried: list[str] = []
         while True:
             link = self.router.choose(now_s, tried)
