@@ -64,7 +64,7 @@ class ClusterSimulation:
     def __init__(self, config: SimulationConfig, *, refinements: RefinementSource | None = None,
                  instance_prefix: str = "") -> None:
         """``instance_prefix`` starts every instance id (a cell's name, where several cells
-        run side by side: :mod:`loadgen.simulation.cells`)."""
+        run side by side: :mod:`loadgen.simulation.multi_cell`)."""
         self.config = config
         self.refinements = refinements  # running requests' refined lengths, as workers report them
         self.now_s = 0.0
@@ -151,7 +151,7 @@ class ClusterSimulation:
         result.counters = self._counters()
         return result
 
-    # --- driven from outside (several cells behind a front: loadgen.simulation.cells) ----
+    # --- driven from outside (several cells behind a front: loadgen.simulation.multi_cell) ----
 
     def next_event_s(self) -> float:
         """When the next event happens (inf: none left)."""

@@ -58,7 +58,7 @@ class SimulationConfig:
     ``forecast_check``: the dispatcher's per-instance forecast check and its fallback
     (:mod:`blockq.forecast_check`).
     ``cells``: the fleet of ``instances`` split evenly into this many cells, each with its
-    own dispatcher, behind one front (:mod:`loadgen.simulation.cells`); each cell's leader
+    own dispatcher, behind one front (:mod:`loadgen.simulation.multi_cell`); each cell's leader
     publishes its load every ``cell_load_interval_ms`` and the front reads the loads as
     often; ``cell_stale_after_ms`` and ``cell_choices`` as ``BLOCKQ_CELL_STALE_MS`` and
     ``BLOCKQ_CELL_CHOICES``.

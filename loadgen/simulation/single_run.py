@@ -10,9 +10,9 @@ from typing import Any
 from blockq.wire.protocol import Request
 from dispatcher.core import CoreStats, DispatcherCore
 from loadgen.replay import failed_record, record_of
-from loadgen.simulation.cells import CellsSimulation
 from loadgen.simulation.cluster import ClusterSimulation
 from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.multi_cell import CellsSimulation
 from loadgen.simulation.prefix_report import ideal_prefix_hit_rate, predicted_prefix_hit_rate
 from loadgen.simulation.workload import AnnotatedSample, arrivals_for, submitted
 from loadgen.summaries import KvSample, RequestRecord, summarize
