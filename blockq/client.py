@@ -226,12 +226,7 @@ class Client:
             return []
         now_s = self.router.clock()
         if self.router.loads_due(now_s):
-            for link in self.router.links.values():
-                try:
-                    raw = link.redis.hgetall(link.settings.keys.cell_load)
-                except REDIS_DOWN:
-                    raw = None
-                self.router.observe(link.name, raw)
+            self.router.read_loads()
         tried: list[str] = []
         while True:
             link = self.router.choose(now_s, tried)
@@ -372,7 +367,7 @@ class AsyncClient:
             return []
         now_s = self.router.clock()
         if self.router.loads_due(now_s):
-            self._loads_read = asyncio.ensure_future(self._read_loads())
+            self._loads_read = asyncio.ensure_future(self.router.read_loads_async())
         if self._loads_read is not None and not self._loads_read.done():
             # Concurrent submissions wait for the read in flight rather than choose blind
             # (shielded: a cancelled submission does not cancel the others' read).
@@ -390,16 +385,6 @@ class AsyncClient:
                 continue
             self.router.record_sent(link, now_s, len(requests))
             return [AsyncHandle(self, r, link) for r in requests]
-
-    async def _read_loads(self) -> None:
-        async def read(link: CellLink) -> None:
-            try:
-                raw = await link.redis.hgetall(link.settings.keys.cell_load)
-            except REDIS_DOWN:
-                raw = None
-            self.router.observe(link.name, raw)
-
-        await asyncio.gather(*(read(link) for link in self.router.links.values()))
 
     async def _admit_requests(self, link: CellLink, requests: list[Request]) -> list[str]:
         script_keys, args = admission_call(requests, link.settings)

@@ -12,6 +12,7 @@ so that cell turns stale and is avoided while another cell is fresh.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import random
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 import structlog
 
 from blockq.cells import CellFront, CellLoad
@@ -27,6 +29,7 @@ from blockq.config import ConfigError, Settings
 
 log = structlog.get_logger(__name__)
 
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 # The router reads loads at most this often, however often cells publish (seconds).
 MIN_LOAD_READ_INTERVAL_S = 0.05
 
@@ -102,6 +105,26 @@ class CellRouter:
             except ValueError as exc:
                 log.warning("cell_load_unreadable", cell=name, error=str(exc))
         self.front.observe_load(name, load)
+
+    def read_loads(self) -> None:
+        """Read every cell's load (sync Redis clients); a cell that cannot be read has none."""
+        for link in self.links.values():
+            try:
+                raw = link.redis.hgetall(link.settings.keys.cell_load)
+            except REDIS_DOWN:
+                raw = None
+            self.observe(link.name, raw)
+
+    async def read_loads_async(self) -> None:
+        """As :meth:`read_loads`, for asyncio Redis clients, the cells read together."""
+        async def read(link: CellLink) -> None:
+            try:
+                raw = await link.redis.hgetall(link.settings.keys.cell_load)
+            except REDIS_DOWN:
+                raw = None
+            self.observe(link.name, raw)
+
+        await asyncio.gather(*(read(link) for link in self.links.values()))
 
     def choose(self, now_s: float, exclude: list[str]) -> CellLink:
         if self.front is None:
