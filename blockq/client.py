@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +31,9 @@ from blockq.client_admission import (
     admission_call,
     admission_result,
 )
+from blockq.client_cells import CellLink, CellRouter, cell_settings, connect_links
 from blockq.client_reader import ReplyReader
-from blockq.config import ConfigError, Settings
+from blockq.config import Settings
 from blockq.wire.keys import PAYLOAD_FIELD
 from blockq.wire.protocol import Chunk, FinalRecord, Placement, Request
 from blockq.wire.streams import connect, connect_async
@@ -116,13 +117,19 @@ class Handle:
     that Redis has not lost the request, and submits it again if so
     (:class:`blockq.client_admission.SubmitWatch`)."""
 
-    def __init__(self, client: Client, request: Request) -> None:
+    def __init__(self, client: Client, request: Request, link: CellLink | None = None) -> None:
         self.client = client
         self.request = request
         self.id = request.id
+        self.link = link or client.router.first_link  # the cell it went to
         self._reader = ReplyReader()
         self._unyielded: list[Chunk] = []  # read by placement(), not yet yielded by stream()
-        self._watch = SubmitWatch(client.settings.keys, request.id, interval_s=client.submit_check_interval_s)
+        self._watch = SubmitWatch(self.link.settings.keys, request.id, interval_s=client.submit_check_interval_s)
+
+    @property
+    def cell(self) -> str:
+        """The key prefix of the cell the request went to."""
+        return self.link.name
 
     def _read(self, deadline: float) -> list[Chunk]:
         """One blocking read of the reply stream; the fresh chunks (a Redis outage: none,
@@ -131,8 +138,8 @@ class Handle:
         try:
             if self._watch.is_due():
                 self._check_admission()
-            reply = self.client.redis.xread({self.request.reply_stream: self._reader.last_entry_id}, count=256,
-                                            block=block_ms)
+            reply = self.link.redis.xread({self.request.reply_stream: self._reader.last_entry_id}, count=256,
+                                          block=block_ms)
         except REDIS_DOWN:
             self._watch.after_reconnect()
             time.sleep(min(RECONNECT_PAUSE_S, block_ms / 1000))
@@ -146,10 +153,10 @@ class Handle:
 
     def _check_admission(self) -> None:
         """Submit the request again when Redis lost its admission (same id, same payload)."""
-        if not self._watch.is_lost(self.client.redis.exists(*self._watch.check_keys)):
+        if not self._watch.is_lost(self.link.redis.exists(*self._watch.check_keys)):
             return
         try:
-            self.client._admit_requests([self.request])
+            self.client._admit_requests(self.link, [self.request])
         except RESUBMIT_REFUSED as exc:
             self._watch.record_refusal(exc)
             return
@@ -174,7 +181,7 @@ class Handle:
         while self._reader.final is None:
             yield from self._read(deadline)
         with contextlib.suppress(*REDIS_DOWN):
-            self.client.redis.expire(self.request.reply_stream, self.client.settings.reply_read_ttl_s)
+            self.link.redis.expire(self.request.reply_stream, self.link.settings.reply_read_ttl_s)
 
     def result(self, timeout_s: float | None = 300.0) -> FinalRecord:
         """Block until the final record (raises TimeoutError after ``timeout_s``)."""
@@ -184,54 +191,75 @@ class Handle:
         return self._reader.final
 
     def cancel(self) -> None:
-        self.client.cancel(self.id)
+        self.client._cancel_on([self.link], self.id)
 
 
 class Client:
     """Synchronous client. ``redis_url`` defaults to ``BLOCKQ_REDIS_URL``.
     ``submit_check_interval_s``: how often a waiting handle checks that Redis still knows
     its request (:class:`blockq.client_admission.SubmitWatch`; default
-    ``settings.submit_check_ms``)."""
+    ``settings.submit_check_ms``). With ``settings.cells`` it is a front: each submission
+    goes to one cell by the cells' published loads (:mod:`blockq.client_cells`); ``clock``
+    (wall seconds) is what it compares their publication times with."""
 
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None,
-                 submit_check_interval_s: float | None = None) -> None:
+                 submit_check_interval_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
         self.settings = settings or Settings.from_env(redis_url=redis_url)
-        url = redis_url or self.settings.redis_url
-        if not url:
-            raise ConfigError("redis_url: not set (pass redis_url= or set BLOCKQ_REDIS_URL)")
         self.submit_check_interval_s = (self.settings.submit_check_ms / 1000 if submit_check_interval_s is None
                                         else submit_check_interval_s)
-        self.redis = connect(url)
-        self._admit = self.redis.register_script(ADMIT_SCRIPT)
+        links = connect_links(cell_settings(self.settings, redis_url), connect)
+        self.router = CellRouter(links, self.settings, clock)
+        self.redis = links[0].redis  # the (first) cell's Redis
+        self._admit = links[0].admit
 
     def submit(self, prompt: str | list[int] | tuple[int, ...], **options: Any) -> Handle:
         """Enqueue one request; raises Overloaded past the backlog limit."""
         return self.submit_many([SubmitSpec(prompt=prompt, **options)])[0]
 
     def submit_many(self, specs: Iterable[SubmitSpec]) -> list[Handle]:
-        """Enqueue several requests in one round trip, all or none; raises Overloaded past
-        the backlog limit. Idempotent per request id (for ``reply_ttl_s``): a request whose
-        id was accepted before is not enqueued again, and its handle reads the first
-        submission's output."""
-        requests = [build_request(spec, self.settings) for spec in specs]
-        if not requests:
+        """Enqueue several requests in one round trip, all or none (all in one cell); raises
+        Overloaded past the backlog limit (of every cell, tried in the router's order).
+        Idempotent per request id (for ``reply_ttl_s``): a request whose id was accepted
+        before is not enqueued again, and its handle reads the first submission's output."""
+        specs = list(specs)
+        if not specs:
             return []
-        self._admit_requests(requests)
-        return [Handle(self, r) for r in requests]
+        now_s = self.router.clock()
+        if self.router.loads_due(now_s):
+            self.router.read_loads()
+        tried: list[str] = []
+        while True:
+            link = self.router.choose(now_s, tried)
+            requests = [build_request(spec, link.settings) for spec in specs]
+            try:
+                self._admit_requests(link, requests)
+            except (Overloaded, *REDIS_DOWN):
+                tried.append(link.name)
+                if len(tried) == self.router.num_cells:
+                    raise
+                continue
+            self.router.record_sent(link, now_s, len(requests))
+            return [Handle(self, r, link) for r in requests]
 
-    def _admit_requests(self, requests: list[Request]) -> list[str]:
+    def _admit_requests(self, link: CellLink, requests: list[Request]) -> list[str]:
         """Run the admission script (idempotent per id): the entry ids; raises Overloaded."""
-        script_keys, args = admission_call(requests, self.settings)
-        return admission_result(self._admit(keys=script_keys, args=args), self.settings)
+        script_keys, args = admission_call(requests, link.settings)
+        return admission_result(link.admit(keys=script_keys, args=args), link.settings)
 
     def cancel(self, request_id: str) -> None:
-        """Ask the pipeline to stop a request; its final record says ``cancelled``."""
-        pipe = self.redis.pipeline(transaction=False)
-        _queue_cancel(pipe, self.settings, request_id)
-        pipe.execute()
+        """Ask the pipeline to stop a request; its final record says ``cancelled``
+        (with cells: the notice goes to every cell)."""
+        self._cancel_on(list(self.router.links.values()), request_id)
+
+    def _cancel_on(self, links: list[CellLink], request_id: str) -> None:
+        for link in links:
+            pipe = link.redis.pipeline(transaction=False)
+            _queue_cancel(pipe, link.settings, request_id)
+            pipe.execute()
 
     def close(self) -> None:
-        self.redis.close()
+        for redis_client in {id(link.redis): link.redis for link in self.router.links.values()}.values():
+            redis_client.close()
 
     def __enter__(self) -> Client:
         return self
@@ -243,21 +271,26 @@ class Client:
 class AsyncHandle:
     """The asyncio twin of :class:`Handle`."""
 
-    def __init__(self, client: AsyncClient, request: Request) -> None:
+    def __init__(self, client: AsyncClient, request: Request, link: CellLink | None = None) -> None:
         self.client = client
         self.request = request
         self.id = request.id
+        self.link = link or client.router.first_link  # the cell it went to
         self._reader = ReplyReader()
         self._unyielded: list[Chunk] = []
-        self._watch = SubmitWatch(client.settings.keys, request.id, interval_s=client.submit_check_interval_s)
+        self._watch = SubmitWatch(self.link.settings.keys, request.id, interval_s=client.submit_check_interval_s)
+
+    @property
+    def cell(self) -> str:
+        return self.link.name
 
     async def _read(self, deadline: float) -> list[Chunk]:
         block_ms = _block_ms(deadline)
         try:
             if self._watch.is_due():
                 await self._check_admission()
-            reply = await self.client.redis.xread({self.request.reply_stream: self._reader.last_entry_id},
-                                                  count=256, block=block_ms)
+            reply = await self.link.redis.xread({self.request.reply_stream: self._reader.last_entry_id},
+                                                count=256, block=block_ms)
         except REDIS_DOWN:
             self._watch.after_reconnect()
             await asyncio.sleep(min(RECONNECT_PAUSE_S, block_ms / 1000))
@@ -269,10 +302,10 @@ class AsyncHandle:
         return self._watch.num_resubmits
 
     async def _check_admission(self) -> None:
-        if not self._watch.is_lost(await self.client.redis.exists(*self._watch.check_keys)):
+        if not self._watch.is_lost(await self.link.redis.exists(*self._watch.check_keys)):
             return
         try:
-            await self.client._admit_requests([self.request])
+            await self.client._admit_requests(self.link, [self.request])
         except RESUBMIT_REFUSED as exc:
             self._watch.record_refusal(exc)
             return
@@ -293,7 +326,7 @@ class AsyncHandle:
             for chunk in await self._read(deadline):
                 yield chunk
         with contextlib.suppress(*REDIS_DOWN):
-            await self.client.redis.expire(self.request.reply_stream, self.client.settings.reply_read_ttl_s)
+            await self.link.redis.expire(self.request.reply_stream, self.link.settings.reply_read_ttl_s)
 
     async def result(self, timeout_s: float | None = 300.0) -> FinalRecord:
         async for _ in self.stream(timeout_s):
@@ -302,48 +335,74 @@ class AsyncHandle:
         return self._reader.final
 
     async def cancel(self) -> None:
-        await self.client.cancel(self.id)
+        await self.client._cancel_on([self.link], self.id)
 
 
 class AsyncClient:
     """Asyncio client; every blocking call of :class:`Client` is a coroutine here."""
 
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None,
-                 max_connections: int = 512, submit_check_interval_s: float | None = None) -> None:
+                 max_connections: int = 512, submit_check_interval_s: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.settings = settings or Settings.from_env(redis_url=redis_url)
-        url = redis_url or self.settings.redis_url
-        if not url:
-            raise ConfigError("redis_url: not set (pass redis_url= or set BLOCKQ_REDIS_URL)")
         self.submit_check_interval_s = (self.settings.submit_check_ms / 1000 if submit_check_interval_s is None
                                         else submit_check_interval_s)
         # Each streaming handle holds a connection while it blocks on XREAD (at most 1 s):
         # past `max_connections` handles wait for a free connection instead of failing
         # (on Redis Cluster: fail, as its client cannot wait; the cap is per node there).
-        self.redis = connect_async(url, max_connections=max_connections, wait_for_connection=True)
-        self._admit = self.redis.register_script(ADMIT_SCRIPT)
+        links = connect_links(cell_settings(self.settings, redis_url), lambda url: connect_async(
+            url, max_connections=max_connections, wait_for_connection=True))
+        self.router = CellRouter(links, self.settings, clock)
+        self.redis = links[0].redis  # the (first) cell's Redis
+        self._admit = links[0].admit
+        self._loads_read: asyncio.Future[None] | None = None
 
     async def submit(self, prompt: str | list[int] | tuple[int, ...], **options: Any) -> AsyncHandle:
         return (await self.submit_many([SubmitSpec(prompt=prompt, **options)]))[0]
 
     async def submit_many(self, specs: Iterable[SubmitSpec]) -> list[AsyncHandle]:
         """As :meth:`Client.submit_many`."""
-        requests = [build_request(spec, self.settings) for spec in specs]
-        if not requests:
+        specs = list(specs)
+        if not specs:
             return []
-        await self._admit_requests(requests)
-        return [AsyncHandle(self, r) for r in requests]
+        now_s = self.router.clock()
+        if self.router.loads_due(now_s):
+            self._loads_read = asyncio.ensure_future(self.router.read_loads_async())
+        if self._loads_read is not None and not self._loads_read.done():
+            # Concurrent submissions wait for the read in flight rather than choose blind
+            # (shielded: a cancelled submission does not cancel the others' read).
+            await asyncio.shield(self._loads_read)
+        tried: list[str] = []
+        while True:
+            link = self.router.choose(now_s, tried)
+            requests = [build_request(spec, link.settings) for spec in specs]
+            try:
+                await self._admit_requests(link, requests)
+            except (Overloaded, *REDIS_DOWN):
+                tried.append(link.name)
+                if len(tried) == self.router.num_cells:
+                    raise
+                continue
+            self.router.record_sent(link, now_s, len(requests))
+            return [AsyncHandle(self, r, link) for r in requests]
 
-    async def _admit_requests(self, requests: list[Request]) -> list[str]:
-        script_keys, args = admission_call(requests, self.settings)
-        return admission_result(await self._admit(keys=script_keys, args=args), self.settings)
+    async def _admit_requests(self, link: CellLink, requests: list[Request]) -> list[str]:
+        script_keys, args = admission_call(requests, link.settings)
+        return admission_result(await link.admit(keys=script_keys, args=args), link.settings)
 
     async def cancel(self, request_id: str) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        _queue_cancel(pipe, self.settings, request_id)
-        await pipe.execute()
+        """As :meth:`Client.cancel`."""
+        await self._cancel_on(list(self.router.links.values()), request_id)
+
+    async def _cancel_on(self, links: list[CellLink], request_id: str) -> None:
+        for link in links:
+            pipe = link.redis.pipeline(transaction=False)
+            _queue_cancel(pipe, link.settings, request_id)
+            await pipe.execute()
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        for redis_client in {id(link.redis): link.redis for link in self.router.links.values()}.values():
+            await redis_client.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -36,12 +36,23 @@ Environment variables (all optional):
                                unset: the project tokenizer (the emulated engine's)
 ``BLOCKQ_PREFIX_BLOCK_TOKENS`` the engines' KV block size in tokens, the hashes' block
                                (default 16; vLLM on a CPU: the ``--block-size`` it runs)
+``BLOCKQ_CELLS``               the cells a front (client library, gateway) routes between,
+                               whitespace-separated ``PREFIX`` or ``PREFIX=REDIS_URL`` (a cell
+                               without a URL is on ``BLOCKQ_REDIS_URL``); unset: one cell, the
+                               plain cluster under ``BLOCKQ_KEY_PREFIX`` (:mod:`blockq.cells`)
+``BLOCKQ_CELL_LOAD_MS``        how often a dispatcher leader publishes its cell's load, ms
+                               (default 250; 0: never)
+``BLOCKQ_CELL_STALE_MS``       a front treats a cell's load older than this as stale, ms
+                               (default 2000): it avoids that cell while another is fresh
+``BLOCKQ_CELL_CHOICES``        how many cells a front compares per request: 0 all (default),
+                               k >= 2 a draw of k weighted by live instances (many fronts)
 =============================  ==========================================================
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
@@ -50,6 +61,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from blockq.cells import CellSpec, FrontOptions, parse_cells
 from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS, PrefixScheme
 from blockq.text.model_tokenizer import TokenizerUnavailable
 from blockq.wire.keys import DEFAULT_PREFIX, Keys, hash_tag
@@ -124,6 +136,13 @@ class Settings:
     # the served model's tokenizer directory (None: the project's) and the engines' block size.
     prefix_tokenizer: str | None = None
     prefix_block_tokens: int = PREFIX_BLOCK_TOKENS
+    # Cells (blockq.cells): the ones a front routes between (empty: the one cluster under
+    # key_prefix), how often a leader publishes its cell's load (0: never), when a front
+    # counts a load stale, and how many cells it compares per request (0: all).
+    cells: tuple[CellSpec, ...] = ()
+    cell_load_interval_ms: int = 250
+    cell_stale_after_ms: int = 2000
+    cell_choices: int = 0
 
     def __post_init__(self) -> None:
         if self.redis_url is not None:
@@ -147,15 +166,44 @@ class Settings:
         if not PREFIX_BLOCK_TOKENS <= self.prefix_block_tokens <= MAX_PREFIX_BLOCK_TOKENS:
             raise ConfigError(f"prefix_block_tokens: must be between {PREFIX_BLOCK_TOKENS} and "
                               f"{MAX_PREFIX_BLOCK_TOKENS} (got {self.prefix_block_tokens})")
+        self._validate_cells()
         if self.prefix_tokenizer:
             try:
                 self.prefix_scheme.tokenizer_id  # noqa: B018  (reads the tokenizer's files now)
             except TokenizerUnavailable as exc:
                 raise ConfigError(f"prefix_tokenizer: {exc}") from None
 
+    def _validate_cells(self) -> None:
+        if self.cell_load_interval_ms < 0:
+            raise ConfigError(f"cell_load_interval_ms: must be >= 0 (got {self.cell_load_interval_ms})")
+        try:
+            self.front_options  # noqa: B018  (validates the stale bound and the choices)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for cell in self.cells:
+            try:
+                Keys(cell.prefix)
+            except ValueError as exc:
+                raise ConfigError(f"cells: {exc}") from None
+            url = cell.redis_url or self.redis_url
+            if url is not None:
+                try:
+                    validate_redis_url(url, cell.prefix)
+                except ConfigError as exc:
+                    raise ConfigError(f"cells: cell {cell.prefix!r}: {exc}") from None
+
     @property
     def keys(self) -> Keys:
         return Keys(self.key_prefix)
+
+    @property
+    def front_options(self) -> FrontOptions:
+        return FrontOptions(stale_after_s=self.cell_stale_after_ms / 1000, num_choices=self.cell_choices)
+
+    def for_cell(self, cell: CellSpec) -> Settings:
+        """These settings for one cell: its key prefix and Redis, no cells of its own."""
+        return dataclasses.replace(self, key_prefix=cell.prefix, redis_url=cell.redis_url or self.redis_url,
+                                   cells=())
 
     @property
     def prefix_scheme(self) -> PrefixScheme:
@@ -203,9 +251,20 @@ class Settings:
             "limits": limits,
             "prefix_tokenizer": env.get(ENV_PREFIX + "PREFIX_TOKENIZER") or None,
             "prefix_block_tokens": read_int("PREFIX_BLOCK_TOKENS", cls.prefix_block_tokens),
+            "cells": _read_cells(env.get(ENV_PREFIX + "CELLS") or ""),
+            "cell_load_interval_ms": read_int("CELL_LOAD_MS", cls.cell_load_interval_ms),
+            "cell_stale_after_ms": read_int("CELL_STALE_MS", cls.cell_stale_after_ms),
+            "cell_choices": read_int("CELL_CHOICES", cls.cell_choices),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _read_cells(text: str) -> tuple[CellSpec, ...]:
+    try:
+        return parse_cells(text)
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_PREFIX}CELLS: {exc}") from None
 
 
 # Every scaler the project has; the dispatcher leader runs the ones that need only the

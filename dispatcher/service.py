@@ -63,6 +63,7 @@ from blockq.wire.streams import GroupConsumer, StreamEntry
 from dispatcher.admission import Infeasible, infeasible_final
 from dispatcher.autoscale.service import AutoscalingService, create_autoscaling
 from dispatcher.beat_reads import BeatFollower
+from dispatcher.cell_load import CellLoadPublisher
 from dispatcher.cluster_view import ClusterView
 from dispatcher.core import DispatcherCore, Held, Placed
 from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
@@ -117,6 +118,9 @@ class Dispatcher:
         self.metrics = DispatcherMetrics(core, num_held=lambda: len(self.unplaced),
                                          is_leading=lambda: self.lease.token is not None)
         self.done_follower = DoneFollower(client, self.keys, self.metrics, on_record=self._check_forecast)
+        # The cell's load for the fronts that route between cells (blockq.cells).
+        self.cell_load = CellLoadPublisher(client, self.keys, core, interval_s=settings.cell_load_interval_ms / 1000,
+                                           dispatcher_id=dispatcher_id)
         # A step's share of re-placement: a sixth of the lease, renewed every third of it.
         self.replacer = QueueReplacer(client, settings, core, self.lease, record=self.metrics.record_placed,
                                       time_budget_s=self.options.lease_ms / 6000,
@@ -171,6 +175,7 @@ class Dispatcher:
         beats (dated by age, with a grace), and this name's pending entries read first."""
         self._reset_after_interruption()
         self.done_follower.start_term()
+        self.cell_load.restart()
         log.info("dispatcher_leader", dispatcher_id=self.dispatcher_id, lease=self.lease.token)
 
     def _reset_after_interruption(self) -> None:
@@ -247,6 +252,7 @@ class Dispatcher:
         if self.autoscaling is not None:
             await self.autoscaling.step(self.clock(), len(self.unplaced))
         await self.done_follower.poll()
+        await self.cell_load.step(self.clock(), len(self.unplaced))
         return num_placed
 
     async def follow_heartbeats(self) -> None:

@@ -40,6 +40,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
     parser.add_argument("--trace", default="synthetic", help="trace path (format detected) or 'synthetic'")
     parser.add_argument("--instances", type=int, default=12)
     parser.add_argument("--instances-per-process", type=int, default=6)
+    parser.add_argument("--cells", type=int, default=1,
+                        help="split the --instances evenly into this many cells (each its own dispatcher and "
+                             "streams) behind one front that routes by their published loads (default 1)")
     parser.add_argument("--preset", "--profile", dest="preset", default="llama2-7b-a30",
                         help="engine preset, or a measured PROFILE.json (blockq profile)")
     parser.add_argument("--policies", type=_names, default=("round_robin", "llumnix", "block", "oracle"))
@@ -117,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seeds=args.seeds or (), engine=getattr(args, "engine", "emulated"), engine_flags=_engine_flags(args),
         max_model_len=getattr(args, "vllm_max_model_len", None),
         trace=args.trace, instances=args.instances, instances_per_process=args.instances_per_process,
+        cells=args.cells,
         preset=args.preset, policies=args.policies, rates=args.rates, requests=args.requests, seed=args.seed,
         burstiness=args.burstiness, use_trace_times=args.trace_times, time_scale=args.time_scale,
         multi_turn=args.multi_turn, think_time_s=args.think_time_s, prefix_caching=args.prefix_caching,

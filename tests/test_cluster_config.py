@@ -210,3 +210,21 @@ def test_bench_passes_vllm_options_to_up_and_draws_a_sample_per_seed() -> None:
     assert len(first) == len(second) == 20 and [r.prompt for r in first] != [r.prompt for r in second]
     with pytest.raises(SystemExit, match="--model"):
         config_from_args(build_parser().parse_args(["bench", "--engine", "vllm"]))
+
+
+def test_two_cells_get_their_own_services_instances_and_prefixes() -> None:
+    config = ClusterConfig(instances=4, instances_per_process=1, cells=2, gateway=True)
+    children = dict(config.child_argvs())
+    assert list(children) == ["predictor", "dispatcher", "predictor-c1", "dispatcher-c1", "workers-0", "workers-1",
+                              "workers-2", "workers-3", "gateway"]
+    # Instance ids stay unique across cells: cell 1 serves inst-2 and inst-3.
+    firsts = [argv[argv.index("--first-index") + 1] for name, argv in children.items() if name.startswith("workers-")]
+    assert firsts == ["0", "1", "2", "3"]
+    prefixes = {name: config.child_env(name).get("BLOCKQ_KEY_PREFIX") for name in children}
+    assert prefixes == {"predictor": "{cell0}:", "dispatcher": "{cell0}:", "predictor-c1": "{cell1}:",
+                        "dispatcher-c1": "{cell1}:", "workers-0": "{cell0}:", "workers-1": "{cell0}:",
+                        "workers-2": "{cell1}:", "workers-3": "{cell1}:", "gateway": None}
+    assert config.child_env("gateway") == {"BLOCKQ_CELLS": "{cell0}: {cell1}:"}
+    assert ClusterConfig(instances=4).child_env("dispatcher") == {}  # one cell: nothing changes
+    with pytest.raises(ConfigError, match="cells: must be between 1 and 8 and divide instances"):
+        ClusterConfig(instances=3, cells=2)

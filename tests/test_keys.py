@@ -21,6 +21,7 @@ def test_default_prefix_key_names() -> None:
     assert keys.autoscaler_desired == "bq:autoscaler:desired"
     assert keys.autoscaler_drain == "bq:autoscaler:drain"
     assert keys.autoscaler_decisions == "bq:autoscaler:decisions"
+    assert keys.cell_load == "bq:cell:load"
 
 
 def test_custom_prefix() -> None:
@@ -68,7 +69,7 @@ def test_tagged_prefix_puts_every_key_in_one_slot() -> None:
     assert batch.rq_key_prefix == "{bq}:rq" and BatchKeys().rq_key_prefix == "bq:rq"
     names = [keys.requests, keys.ready, keys.done, keys.heartbeats, keys.dead_letters, keys.cancellations,
              keys.instances, keys.dispatcher_lease, keys.autoscaler_desired, keys.autoscaler_drain,
-             keys.autoscaler_decisions, keys.instance_queue("a"), keys.reply("r"), keys.owner("r"),
+             keys.autoscaler_decisions, keys.cell_load, keys.instance_queue("a"), keys.reply("r"), keys.owner("r"),
              keys.final_flag("r"), keys.cancel_flag("r"), keys.submitted("r"), batch.queue_name,
              batch.results("j"), batch.lease("j"), f"{batch.rq_key_prefix}:job:j", f"rq:queue:{batch.queue_name}"]
     assert {key_slot(name.encode()) for name in names} == {key_slot(b"bq")}

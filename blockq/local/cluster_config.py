@@ -65,9 +65,12 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from blockq.cells import numbered_cell_prefix
 from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, METRICS_OFF, AutoscaleOptions, ConfigError
 from blockq.local.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
 from blockq.local.vllm_sizing import VllmSizing, VllmWanted
+
+MAX_LOCAL_CELLS = 8
 
 ENGINES = ("emulated", "vllm", "vllm-http")
 DEFAULT_METRICS_BASE_PORT = 9400
@@ -118,6 +121,9 @@ class ClusterConfig:
     refine_model: str | None = None
     predictor_http_port: int = 8100
     refine_every_tokens: int = DEFAULT_REFINE_EVERY_TOKENS
+    # Cells (blockq.cells): the instances split evenly into this many, each with its own
+    # predictor, dispatcher and key prefix (cell_prefix); the gateway routes between them.
+    cells: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.instances <= 1024:
@@ -136,6 +142,11 @@ class ClusterConfig:
         self._check_engine()
         self._check_metrics_ports()
         self._check_refinement()
+        if not 1 <= self.cells <= MAX_LOCAL_CELLS or self.instances % self.cells:
+            raise ConfigError(f"cells: must be between 1 and {MAX_LOCAL_CELLS} and divide instances "
+                              f"(got {self.cells} cells, {self.instances} instances)")
+        if self.cells > 1 and (self.autoscale is not None or self.batch_worker):
+            raise ConfigError("cells: a local cluster of several cells runs without autoscale and the batch worker")
         bounds = self.autoscale
         if bounds is not None and not bounds.min_instances <= self.instances <= bounds.max_instances:
             raise ConfigError(f"instances: must be between min_instances ({bounds.min_instances}) and "
@@ -238,7 +249,30 @@ class ClusterConfig:
 
     @property
     def num_worker_processes(self) -> int:
-        return math.ceil(self.instances / self.instances_per_worker_process)
+        return self.cells * self._num_worker_processes_per_cell
+
+    @property
+    def _num_worker_processes_per_cell(self) -> int:
+        return math.ceil(self.instances // self.cells / self.instances_per_worker_process)
+
+    def cell_prefix(self, cell: int) -> str:
+        """Cell ``cell``'s key prefix, hash-tagged (one slot per cell on Redis Cluster)."""
+        return numbered_cell_prefix(cell)
+
+    @property
+    def cells_setting(self) -> str:
+        """``BLOCKQ_CELLS`` for a front on this cluster (empty: one cell)."""
+        return " ".join(self.cell_prefix(cell) for cell in range(self.cells)) if self.cells > 1 else ""
+
+    def child_env(self, child_name: str) -> dict[str, str]:
+        """What child ``child_name`` gets in its environment on top of the supervisor's:
+        with cells, a cell's services their cell's key prefix, the gateway the cells."""
+        if self.cells == 1:
+            return {}
+        if child_name == "gateway":
+            return {"BLOCKQ_CELLS": self.cells_setting}
+        cell = _cell_of_child(child_name, self._num_worker_processes_per_cell)
+        return {} if cell is None else {"BLOCKQ_KEY_PREFIX": self.cell_prefix(cell)}
 
     def vllm_wanted(self) -> VllmWanted:
         """The vLLM options as given, for sizing on a CPU node (blockq/local/vllm_sizing.py):
@@ -302,15 +336,19 @@ class ClusterConfig:
             predictor += ["--model-dir", self.predictor_model]
         if self.refine_model:
             predictor += ["--http-port", str(self.predictor_http_port), "--refine-model", self.refine_model]
-        children.append(("predictor", (*predictor, *self._metrics_argv("predictor"))))
         dispatcher = ["dispatcher", "--policy", self.policy, "--seed", str(self.seed)]
         if self.objective:
             dispatcher += ["--objective", self.objective]
-        children.append(("dispatcher", (*dispatcher, *self._autoscale_argv(), *self._metrics_argv("dispatcher"))))
-        per_process = self.instances_per_worker_process
+        for cell in range(self.cells):  # cell 0's services keep the one-cell names (and metrics ports)
+            suffix = f"-c{cell}" if cell else ""
+            children.append((f"predictor{suffix}", (*predictor, *self._metrics_argv(f"predictor{suffix}"))))
+            children.append((f"dispatcher{suffix}", (*dispatcher, *self._autoscale_argv(),
+                                                     *self._metrics_argv(f"dispatcher{suffix}"))))
+        per_process, per_cell = self.instances_per_worker_process, self.instances // self.cells
         for process_index in range(self.num_worker_processes if workers else 0):
-            first = process_index * per_process
-            children.append(self.worker_child(process_index, first, min(per_process, self.instances - first)))
+            cell, index_in_cell = divmod(process_index, self._num_worker_processes_per_cell)
+            first = cell * per_cell + index_in_cell * per_process
+            children.append(self.worker_child(process_index, first, min(per_process, (cell + 1) * per_cell - first)))
         if self.gateway:
             gateway = ["blockq.frontdoors.gateway", "--host", self.gateway_host, "--port", str(self.gateway_port)]
             if self.gateway_allow_unauthenticated:
@@ -374,6 +412,19 @@ class ClusterConfig:
         if self.vllm_pin_cores:
             argv += ["--cpu-core", str(process_index % (os.cpu_count() or 1))]
         return argv + (["--enforce-eager"] if self.vllm_enforce_eager else [])
+
+
+def _cell_of_child(child_name: str, num_worker_processes_per_cell: int) -> int | None:
+    """The cell a child of :meth:`ClusterConfig.child_argvs` serves (None: none, or all)."""
+    if child_name in ("predictor", "dispatcher"):
+        return 0
+    for service in ("predictor-c", "dispatcher-c"):
+        if child_name.startswith(service) and child_name[len(service):].isdigit():
+            return int(child_name[len(service):])
+    index = child_name.removeprefix(WORKER_CHILD_PREFIX)
+    if child_name.startswith(WORKER_CHILD_PREFIX) and index.isdigit():
+        return int(index) // num_worker_processes_per_cell
+    return None
 
 
 def _url_host(host: str) -> str:

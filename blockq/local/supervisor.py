@@ -85,6 +85,7 @@ class ChildSpec:
     argv: tuple[str, ...]
     stop_timeout_s: float = 30.0
     metrics_url: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # set in its environment on top of the supervisor's
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class Supervisor:
         log.warning("embedded_redis_restarted", pid=self.embedded.pid, port=self.embedded.port)
 
     def _start(self, child: Child) -> None:
-        env = dict(os.environ, BLOCKQ_REDIS_URL=self.redis_url or "", **self._marker_env)
+        env = dict(os.environ, BLOCKQ_REDIS_URL=self.redis_url or "", **self._marker_env, **dict(child.spec.env))
         log_path = self.state_dir / "logs" / f"{child.spec.name}.log"
         if child.log_file is not None:
             child.log_file.close()

@@ -6,6 +6,7 @@ cannot start (docs/commands.md, "Stopping a cluster")."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -104,6 +105,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--predictor", dest="predictor_backend", default=None, help="predictor backend (default heuristic)")
     p.add_argument("--predictor-model", default=None, help="trained predictor directory")
     add_refine_arguments(p, defaults=False)
+    p.add_argument("--cells", type=int, default=None,
+                   help="split the instances evenly into this many cells, each with its own predictor, dispatcher "
+                        "and key prefix {cellK}: (default 1); the gateway routes between them (docs/architecture.md)")
     p.add_argument("--gateway", action="store_true", default=None, help="also start the HTTP gateway")
     p.add_argument("--gateway-port", type=int, default=None)
     p.add_argument("--batch-worker", action="store_true", default=None, help="also start the batch (rq) worker")
@@ -149,7 +153,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         redis_maxmemory=args.redis_maxmemory, engine=args.engine, model=args.model,
         metrics_base_port=args.metrics_base_port, metrics_host=args.metrics_host,
         refine_model=args.refine_model, refine_every_tokens=args.refine_every_tokens,
-        prefix_caching=args.prefix_caching, engine_nice=args.engine_nice,
+        prefix_caching=args.prefix_caching, engine_nice=args.engine_nice, cells=args.cells,
         **{name: value for name, value in vars(args).items() if name.startswith("vllm_")})
 
 
@@ -183,7 +187,7 @@ def child_spec(config: ClusterConfig, name: str, argv: tuple[str, ...]) -> Child
     """The supervisor's spec of child ``name``, with where it serves its metrics."""
     from blockq.local.supervisor import ChildSpec
 
-    return ChildSpec(name, argv, metrics_url=config.metrics_url(name))
+    return ChildSpec(name, argv, metrics_url=config.metrics_url(name), env=tuple(config.child_env(name).items()))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -288,7 +292,9 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfi
         record_supervisor(state_dir, identity)
     timeout_s = args.ready_timeout_s if args.ready_timeout_s is not None else (
         VLLM_READY_TIMEOUT_S if config.engine == "vllm" else READY_TIMEOUT_S)
-    report = wait_until_ready(args, state_dir, config.instances, timeout_s, supervisor)
+    report = wait_until_ready(args, state_dir, config.instances, timeout_s, supervisor,
+                              cell_prefixes=tuple(config.cell_prefix(c) for c in range(config.cells))
+                              if config.cells > 1 else ())
     report["ready_s"] = round(time.monotonic() - started_s, 3)
     if args.json:
         print_json(report)
@@ -299,8 +305,10 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, config: ClusterConfi
 
 
 def wait_until_ready(args: argparse.Namespace, state_dir: Path, num_instances: int, timeout_s: float,
-                     supervisor: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
-    """The status of the cluster once ``num_instances`` are live and a dispatcher leads.
+                     supervisor: subprocess.Popen[bytes] | None = None, *,
+                     cell_prefixes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The status of the cluster once ``num_instances`` are live and a dispatcher leads
+    (with ``cell_prefixes``: in all, and one in every cell).
     SystemExit naming the cause when ``supervisor`` exits first, when a child keeps dying
     as it starts (the cluster is stopped then), or after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -313,7 +321,7 @@ def wait_until_ready(args: argparse.Namespace, state_dir: Path, num_instances: i
             failure = _start_failure(state_dir, state)
             if failure is not None:
                 _give_up(state_dir, failure)
-            status = _try_ready_status(args, state, num_instances)
+            status = _try_ready_status(args, state, num_instances, cell_prefixes)
             if status is not None:
                 return status
         time.sleep(0.1)
@@ -321,9 +329,11 @@ def wait_until_ready(args: argparse.Namespace, state_dir: Path, num_instances: i
                      f"(it is still starting: `blockq down` stops it)")
 
 
-def _try_ready_status(args: argparse.Namespace, state: ClusterState, num_instances: int) -> dict[str, Any] | None:
+def _try_ready_status(args: argparse.Namespace, state: ClusterState, num_instances: int,
+                      cell_prefixes: tuple[str, ...] = ()) -> dict[str, Any] | None:
     """The status when the cluster is ready; None while it is not (Redis not answering yet
-    included)."""
+    included). With cells: the first cell's status, its ``num_live_instances`` counting
+    every cell's, and ``cells`` (each cell's prefix, live instances and leader)."""
     import redis
 
     from blockq.local.status import add_cluster_urls, collect_status
@@ -332,12 +342,18 @@ def _try_ready_status(args: argparse.Namespace, state: ClusterState, num_instanc
     settings = settings_from_args(args)
     client = connect(state.redis_url)
     try:
-        status = collect_status(client, settings)
+        statuses = [collect_status(client, dataclasses.replace(settings, key_prefix=prefix))
+                    for prefix in cell_prefixes] or [collect_status(client, settings)]
     except (redis.RedisError, OSError):
         return None
     finally:
         client.close()
-    if status["num_live_instances"] >= num_instances and status["dispatcher_leader"]:
+    status = statuses[0]
+    if cell_prefixes:
+        status["cells"] = [{"prefix": s["prefix"], "num_live_instances": s["num_live_instances"],
+                            "dispatcher_leader": s["dispatcher_leader"]} for s in statuses]
+        status["num_live_instances"] = sum(s["num_live_instances"] for s in statuses)
+    if status["num_live_instances"] >= num_instances and all(s["dispatcher_leader"] for s in statuses):
         return add_cluster_urls(status, state)
     return None
 

@@ -121,6 +121,12 @@ class Keys:
         """Stream of every autoscaling decision (JSON, capped ``MAXLEN ~``)."""
         return f"{self.prefix}autoscaler:decisions"
 
+    @property
+    def cell_load(self) -> str:
+        """Hash: this cell's load as its dispatcher leader last published it
+        (:class:`blockq.cells.CellLoad`), read by the fronts that route between cells."""
+        return f"{self.prefix}cell:load"
+
     def instance_queue(self, instance_id: str) -> str:
         """The queue stream of one engine instance."""
         return f"{self.prefix}inst:{{{instance_id}}}"

@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from blockq.cells import CellSpec, numbered_cell_prefix
 from blockq.client import AsyncClient
 from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, Settings
 from blockq.engine_model import get_preset
@@ -45,6 +46,7 @@ class BenchConfig:
     trace: str = "synthetic"
     instances: int = 12
     instances_per_process: int = 6
+    cells: int = 1  # the instances split into this many cells behind one front (blockq.cells)
     preset: str = "llama2-7b-a30"
     policies: tuple[str, ...] = ("round_robin", "llumnix", "block", "oracle")
     rates: tuple[float, ...] = (20.0, 24.0, 28.0, 32.0)
@@ -114,7 +116,8 @@ def up_detached(state_dir: Path, flags: list[str], env: dict[str, str] | None = 
 
 
 def start_cluster(config: BenchConfig, policy: str, state_dir: Path) -> dict[str, Any]:
-    flags = ["--instances", str(config.instances), "--policy", policy, "--predictor", config.predictor,
+    flags = ["--instances", str(config.instances), "--cells", str(config.cells), "--policy", policy,
+             "--predictor", config.predictor,
              "--seed", str(config.seed), "--engine", config.engine, *config.engine_flags]
     if config.engine == "emulated":
         flags += ["--instances-per-process", str(config.instances_per_process), "--preset", config.preset,
@@ -160,12 +163,26 @@ def run_one(config: BenchConfig, policy: str, rate: float, requests: list[TraceR
     summary.update(policy=policy, rate=rate, instances=config.instances, preset=config.preset, engine=config.engine,
                    predictor=config.predictor, time_scale=config.time_scale,
                    trace=config.trace, seed=config.seed)
+    if config.cells > 1:
+        summary.update(cells=config.cells, cells_served=_served_per_cell(result.records, config))
     return RunOutput(summary, result.records, result.kv_samples)
+
+
+def _served_per_cell(records: list[RequestRecord], config: BenchConfig) -> dict[str, int]:
+    """Requests each cell's instances served (``blockq up --cells``: instance ``inst-K``
+    is in cell K // instances-per-cell); unserved requests under ``none``."""
+    per_cell = config.instances // config.cells
+    counts = {f"cell{cell}": 0 for cell in range(config.cells)} | {"none": 0}
+    for record in records:
+        index = record.instance.rpartition("-")[2] if record.instance else ""
+        counts[f"cell{int(index) // per_cell}" if index.isdigit() else "none"] += 1
+    return counts
 
 
 async def _replay(redis_url: str, schedule: list[tuple[float, TraceRequest]], config: BenchConfig,
                   on_progress: Callable[[int, int], None] | None) -> ReplayResult:
-    async with AsyncClient(settings=Settings(redis_url=redis_url)) as client:
+    cells = tuple(CellSpec(numbered_cell_prefix(cell)) for cell in range(config.cells)) if config.cells > 1 else ()
+    async with AsyncClient(settings=Settings(redis_url=redis_url, cells=cells)) as client:
         return await replay(client, schedule, ReplayOptions(time_scale=config.time_scale), on_progress)
 
 

@@ -79,7 +79,17 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve every request however late: no 'infeasible' answers past the SLO")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_slow_instance_arguments(parser)
+    _add_cell_arguments(parser)
     add_autoscale_arguments(parser)
+
+
+def _add_cell_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cell-load-ms", type=float, default=SimulationConfig.cell_load_interval_ms,
+                        help="how often each cell's leader publishes its load, and the front reads them (wall ms)")
+    parser.add_argument("--cell-stale-ms", type=float, default=SimulationConfig.cell_stale_after_ms,
+                        help="a load older than this is stale: the front avoids its cell while another is fresh")
+    parser.add_argument("--cell-choices", type=int, default=SimulationConfig.cell_choices,
+                        help="cells the front compares per request: 0 all, k >= 2 a weighted draw of k")
 
 
 def _add_slow_instance_arguments(parser: argparse.ArgumentParser) -> None:

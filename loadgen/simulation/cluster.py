@@ -61,7 +61,10 @@ class ClusterResult:
 class ClusterSimulation:
     """One run: ``run(arrivals)`` with (arrival time s, annotated request) pairs."""
 
-    def __init__(self, config: SimulationConfig, *, refinements: RefinementSource | None = None) -> None:
+    def __init__(self, config: SimulationConfig, *, refinements: RefinementSource | None = None,
+                 instance_prefix: str = "") -> None:
+        """``instance_prefix`` starts every instance id (a cell's name, where several cells
+        run side by side: :mod:`loadgen.simulation.multi_cell`)."""
         self.config = config
         self.refinements = refinements  # running requests' refined lengths, as workers report them
         self.now_s = 0.0
@@ -73,7 +76,7 @@ class ClusterSimulation:
         self._worker_options = WorkerOptions(bundle_size=config.bundle_size, idle_poll_ms=int(config.idle_poll_ms))
         self.instances: dict[str, SimulatedInstance] = {}
         for index in range(config.instances):
-            self.add_instance(f"gpu{index}", 0.0)
+            self.add_instance(f"{instance_prefix}gpu{index}", 0.0)
         self._ready: deque[Request] = deque()
         self._held: list[Request] = []
         self._pending_beats: list[Heartbeat] = []
@@ -82,6 +85,8 @@ class ClusterSimulation:
         self._num_expected = 0
         self._abort_after_misses: int | None = None
         self.result = ClusterResult({}, {}, [], 0, 0.0)
+        self._handlers = (self._on_step_end, self._on_intake, self._on_enqueue, self._on_beat,
+                          self._on_beat_arrives, self._on_arrive, self._on_dispatch_done, self._on_scale)
 
     def add_instance(self, instance_id: str, up_at_s: float) -> SimulatedInstance:
         """A new instance whose worker beats from ``up_at_s`` on (its engine started)."""
@@ -145,6 +150,43 @@ class ClusterSimulation:
         result.end_s = self.now_s
         result.counters = self._counters()
         return result
+
+    # --- driven from outside (several cells behind a front: loadgen.simulation.multi_cell) ----
+
+    def next_event_s(self) -> float:
+        """When the next event happens (inf: none left)."""
+        return self._events[0][0] if self._events else math.inf
+
+    def handle_next_event(self) -> None:
+        """Handle the next event, as :meth:`run` does (no progress, no abort)."""
+        time_s, _, kind, payload = heapq.heappop(self._events)
+        self.now_s = time_s
+        self.result.num_events += 1
+        self._handlers[kind](payload)
+
+    def submit(self, readable_at_s: float, request: Request) -> None:
+        """A request the dispatcher can read from ``readable_at_s`` (the caller keeps the
+        ingress order); :attr:`num_answered` counts it once answered."""
+        self._push(readable_at_s, _ARRIVE, request)
+        self._num_expected += 1
+
+    @property
+    def cores(self) -> list[DispatcherCore]:
+        return [self.core]
+
+    @property
+    def num_answered(self) -> int:
+        return len(self.result.finals) + len(self.result.rejected)
+
+    @property
+    def num_unplaced(self) -> int:
+        """Requests the dispatcher holds: what the live leader counts as unplaced."""
+        return len(self._held)
+
+    def finish(self) -> ClusterResult:
+        self.result.end_s = self.now_s
+        self.result.counters = self._counters()
+        return self.result
 
     def _on_scale(self, payload: Any) -> None:
         """Autoscaling decisions (a subclass's): none here."""

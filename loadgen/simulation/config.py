@@ -57,6 +57,11 @@ class SimulationConfig:
     the step timings the replicas refit from do not show it.
     ``forecast_check``: the dispatcher's per-instance forecast check and its fallback
     (:mod:`blockq.forecast_check`).
+    ``cells``: the fleet of ``instances`` split evenly into this many cells, each with its
+    own dispatcher, behind one front (:mod:`loadgen.simulation.multi_cell`); each cell's leader
+    publishes its load every ``cell_load_interval_ms`` and the front reads the loads as
+    often; ``cell_stale_after_ms`` and ``cell_choices`` as ``BLOCKQ_CELL_STALE_MS`` and
+    ``BLOCKQ_CELL_CHOICES``.
     """
 
     instances: int = 12
@@ -85,6 +90,10 @@ class SimulationConfig:
     slow_published: bool = False
     slow_hidden: bool = False
     forecast_check: ForecastCheckOptions = field(default_factory=ForecastCheckOptions)
+    cells: int = 1
+    cell_load_interval_ms: float = 250.0
+    cell_stale_after_ms: float = 2000.0
+    cell_choices: int = 0
 
     def __post_init__(self) -> None:
         policy_spec(self.policy)  # ValueError naming the valid policies
@@ -109,6 +118,11 @@ class SimulationConfig:
             raise ValueError(f"noise_sigma: must be in [0, 1] (got {self.noise_sigma})")
         if not 0 <= self.slow_instances <= self.instances:
             raise ValueError(f"slow_instances: must be in [0, instances] (got {self.slow_instances})")
+        if self.cells < 1 or self.instances % self.cells:
+            raise ValueError(f"cells: must be >= 1 and divide instances (got {self.cells} cells, "
+                             f"{self.instances} instances)")
+        if self.cell_load_interval_ms <= 0:
+            raise ValueError(f"cell_load_interval_ms: must be > 0 (got {self.cell_load_interval_ms})")
         if not 0 < self.slow_factor <= 100:
             raise ValueError(f"slow_factor: must be in (0, 100] (got {self.slow_factor})")
 

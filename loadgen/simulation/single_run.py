@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockq.wire.protocol import Request
+from dispatcher.core import CoreStats, DispatcherCore
 from loadgen.replay import failed_record, record_of
 from loadgen.simulation.cluster import ClusterSimulation
 from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.multi_cell import CellsSimulation
 from loadgen.simulation.prefix_report import ideal_prefix_hit_rate, predicted_prefix_hit_rate
 from loadgen.simulation.workload import AnnotatedSample, arrivals_for, submitted
 from loadgen.summaries import KvSample, RequestRecord, summarize
@@ -36,7 +38,9 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
     ``prefix_hit_rate_predicted`` and ``prefix_hit_rate_ideal`` beside it
     (:mod:`loadgen.simulation.prefix_report`)."""
     schedule = arrivals_for(sample, rate_per_s=rate_per_s, burstiness=burstiness, use_trace_times=use_trace_times)
-    simulation = ClusterSimulation(config, refinements=sample.refinements)
+    simulation: ClusterSimulation | CellsSimulation = (
+        CellsSimulation(config, refinements=sample.refinements) if config.cells > 1
+        else ClusterSimulation(config, refinements=sample.refinements))
     origin_s = config.warmup_s  # the first request is submitted after the warm-up
     arrivals = [(offset_s, submitted(request, origin_s + offset_s * config.time_scale, best_effort=config.best_effort))
                 for offset_s, index in schedule
@@ -60,12 +64,15 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
     summary.update(policy=config.policy, rate=rate_per_s, instances=config.instances, preset=config.preset,
                    seed=sample.seed, time_scale=config.time_scale, mode="simulated", events=result.counters["events"],
                    steps=result.counters["steps"], beats_rejected=result.counters["beats_rejected"],
-                   **_prefix_hit_rates(config, result.counters, simulation, [r for _, r in arrivals]))
-    summary["forecast_check"] = _forecast_check(config, simulation, result.trust_changes)
+                   **_prefix_hit_rates(config, result.counters, simulation.cores, [r for _, r in arrivals]))
+    if config.cells > 1:  # the cells, and how many requests the front sent each
+        summary["cells"] = config.cells
+        summary["cells_sent"] = {k[len("sent_"):]: v for k, v in result.counters.items() if k.startswith("sent_")}
+    summary["forecast_check"] = _forecast_check(config, simulation.cores, result.trust_changes)
     return SimulatedRun(summary, records, result.kv_samples)
 
 
-def _prefix_hit_rates(config: SimulationConfig, counters: dict[str, int], simulation: ClusterSimulation,
+def _prefix_hit_rates(config: SimulationConfig, counters: dict[str, int], cores: list[DispatcherCore],
                       requests_in_arrival_order: list[Request]) -> dict[str, float | None]:
     """Measured (prompt tokens served from cache / queried), predicted and ideal; all None
     without prefix caching (see simulate_run)."""
@@ -73,17 +80,26 @@ def _prefix_hit_rates(config: SimulationConfig, counters: dict[str, int], simula
         return dict.fromkeys(("prefix_hit_rate", "prefix_hit_rate_predicted", "prefix_hit_rate_ideal"))
     num_queried_tokens = counters["prefix_cache_queries_tokens"]
     return {"prefix_hit_rate": counters["prefix_cache_hits_tokens"] / num_queried_tokens if num_queried_tokens else None,
-            "prefix_hit_rate_predicted": predicted_prefix_hit_rate(simulation.core.stats),
+            "prefix_hit_rate_predicted": predicted_prefix_hit_rate(_summed_stats(cores)),
             "prefix_hit_rate_ideal": ideal_prefix_hit_rate(requests_in_arrival_order)}
 
 
-def _forecast_check(config: SimulationConfig, simulation: ClusterSimulation,
+def _summed_stats(cores: list[DispatcherCore]) -> CoreStats:
+    """The prompt-token counts of every cell's dispatcher, summed."""
+    stats = CoreStats()
+    for core in cores:
+        stats.num_placed_prompt_tokens += core.stats.num_placed_prompt_tokens
+        stats.num_predicted_cached_tokens += core.stats.num_predicted_cached_tokens
+    return stats
+
+
+def _forecast_check(config: SimulationConfig, cores: list[DispatcherCore],
                     trust_changes: list[dict[str, Any]]) -> dict[str, Any]:
     """The forecast check's setting, its changes of trust and every instance's final
-    figures (:class:`blockq.forecast_check.InstanceError`)."""
-    check = simulation.core.forecast_check
-    options = check.options
+    figures (:class:`blockq.forecast_check.InstanceError`), over every cell's dispatcher."""
+    options = cores[0].forecast_check.options
+    errors = {i: e.to_dict() for core in cores for i, e in core.forecast_check.instance_errors().items()}
     return {"fallback": options.fallback, "window": options.window, "bound": options.bound,
             "slow_instances": config.slow_instances, "slow_factor": config.slow_factor,
             "slow_published": config.slow_published, "slow_hidden": config.slow_hidden, "changes": trust_changes,
-            "instances": {i: e.to_dict() for i, e in check.instance_errors().items()}}
+            "instances": errors}

@@ -259,7 +259,8 @@ class Gateway:
     async def _read_instance_models(self) -> None:
         assert self.client is not None
         try:
-            beats = await self.client.redis.hvals(self.settings.keys.instances)
+            first_cell = self.client.router.first_link  # the cluster, or with cells the first one
+            beats = await first_cell.redis.hvals(first_cell.settings.keys.instances)
             models = set()
             for payload in beats:
                 try:
