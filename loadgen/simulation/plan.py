@@ -80,7 +80,8 @@ class Plan:
             prefix_caching=args.prefix_caching, slow_instances=args.slow_instances[0],
             slow_factor=args.slow_instances[1], slow_published=args.slow_published,
             slow_hidden=args.slow_hidden,
-            forecast_check=forecast_check_options_from_args(args))
+            forecast_check=forecast_check_options_from_args(args),
+            num_simulated_candidates=args.simulated_candidates)
 
     def sample(self, seed: int, mae_tokens: float | None) -> AnnotatedSample:
         if mae_tokens is None:
