@@ -94,7 +94,7 @@ class Block:
     def _best(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
               bus_now_s: float | None = None) -> Decision:
         lanes = self._lane_ids(candidates)
-        ranked = self._ranked(request, self.shortlist.select(candidates, lanes), now_s)
+        ranked = self._ranked(request, self.shortlist.select(candidates, lanes, now_s), now_s)
         ranked = self._meeting_the_slo_first(request, ranked, now_s, bus_now_s)
         if lanes and _keeps_off_lanes(ranked):
             ranked = self._lanes_last(request, ranked, lanes, now_s, bus_now_s)
@@ -151,7 +151,7 @@ class Block:
         for item in ranked:
             replica = item.replica
             wait_s = max(0.0, item.ttft_s - replica.prefill_alone_s(item.size[0]))
-            self.shortlist.learn(item.candidate.instance_id, now_s + wait_s * replica.time_scale)
+            self.shortlist.learn(item.candidate.instance_id, now_s + wait_s * replica.time_scale, now_s)
 
     def _lane_ids(self, candidates: Sequence[InstanceView]) -> frozenset[str]:
         """:func:`lane_ids` of ``candidates``, kept while the same list is given (the live list)."""
