@@ -33,7 +33,7 @@ from blockq.engine_model.presets import PRESETS
 from blockq.lengths import check_length_mode
 from blockq.text.block_hashes import PROJECT_SCHEME, PrefixScheme
 from blockq.text.model_tokenizer import PROJECT_TOKENIZER
-from blockq.wire.beats import Heartbeat, request_ids
+from blockq.wire.beats import Heartbeat, progress_column
 from blockq.wire.health import HealthPolicy, InstanceState
 from blockq.wire.protocol import Request
 from dispatcher.prefix_index import PrefixIndex
@@ -235,6 +235,7 @@ class ClusterView:
             return
         if new_config or view is None or view.replica is None or beat.latency_model != view.heartbeat.latency_model:
             self._latency_model(beat)
+        _check_restorable(beat)
 
     def _create_replica(self, view: InstanceView) -> None:
         """A replica for ``view``, not built yet (stale: the next :meth:`replica` builds it)."""
@@ -255,8 +256,8 @@ class ClusterView:
     def _reconcile(view: InstanceView, beat: Heartbeat) -> None:
         if not view.assigned_not_seen and not view.batch_request_ids:
             return
-        seen = set(request_ids(beat.running))
-        seen.update(request_ids(beat.waiting))
+        seen = set(progress_column(beat.running, 0))
+        seen.update(progress_column(beat.waiting, 0))
         seen.update(beat.finished_ids)
         for request_id in seen & view.assigned_not_seen.keys():
             del view.assigned_not_seen[request_id]
@@ -319,6 +320,18 @@ class ClusterView:
         for instance_id in instance_ids:
             self.instances.pop(instance_id, None)
         self._live = None
+
+
+def _check_restorable(beat: Heartbeat) -> None:
+    """Refuse (ValueError) a beat a replica could not be rebuilt from: a request listed
+    twice, or with no prompt. The rebuild happens later, inside a decision
+    (:meth:`ClusterView.replica`), so what it would refuse is refused here, with the beat."""
+    ids = progress_column(beat.running, 0) + progress_column(beat.waiting, 0)
+    if len(set(ids)) != len(ids):
+        raise ValueError("running, waiting: a request is listed twice")
+    prompt_tokens = progress_column(beat.running, 1) + progress_column(beat.waiting, 1)
+    if prompt_tokens and min(prompt_tokens) < 1:
+        raise ValueError("running, waiting: prompt_tokens must be >= 1")
 
 
 def _saved(view: InstanceView | None) -> InstanceView | None:

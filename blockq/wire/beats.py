@@ -256,11 +256,11 @@ class ProgressList(Sequence[RequestProgress]):
             self._raw = None
         return self._items
 
-    def request_ids(self) -> list[str]:
-        """The entries' request ids, without making the entries."""
+    def column(self, position: int) -> list[Any]:
+        """One field of every entry (0: the request ids), without making the entries."""
         if self._raw is not None:
-            return list(map(_FIRST, self._raw))
-        return [item.request_id for item in self._made()]
+            return list(map(itemgetter(position), self._raw))
+        return [item[position] for item in self._made()]
 
     def __len__(self) -> int:
         return len(self._raw) if self._raw is not None else len(self._made())
@@ -283,11 +283,12 @@ class ProgressList(Sequence[RequestProgress]):
         return repr(self._made())
 
 
-def request_ids(progress: Sequence[RequestProgress]) -> list[str]:
-    """The request ids of a beat's list (of a decoded one without making its entries)."""
+def progress_column(progress: Sequence[RequestProgress], position: int) -> list[Any]:
+    """One field of every entry of a beat's list (0: the request ids, 1: the prompt
+    tokens), of a decoded one without making its entries."""
     if isinstance(progress, ProgressList):
-        return progress.request_ids()
-    return [item.request_id for item in progress]
+        return progress.column(position)
+    return [item[position] for item in progress]
 
 
 def _finished_ids(values: Any) -> tuple[str, ...]:

@@ -19,8 +19,8 @@ bound: the chosen instance is the best of the shortlist, which is not always the
 the fleet. docs/dispatcher.md ("Decisions and heartbeats at fleet scale") and
 docs/results/decisions-at-scale.md give what that costs in capacity.
 
-On a fleet with long-prompt lanes the shortlist is the best ``size`` of all candidates
-and the best ``size`` of those outside the lanes, so that the lane rule
+On a fleet with long-prompt lanes the best known are taken twice, of all candidates and
+of those outside the lanes, so that the lane rule
 (:meth:`dispatcher.policies.predictive.Block._lanes_last`) still has both kinds to choose from.
 
 Pure: no clock, no I/O; the random tie-breaks come from the policy's seeded generator,
@@ -39,7 +39,7 @@ from dispatcher.cluster_view import InstanceView
 
 # What the dispatcher, the simulation and dispatch-bench use unless told (``block`` at
 # 1,024 instances: docs/results/decisions-at-scale.md).
-DEFAULT_SIMULATED_CANDIDATES = 16
+DEFAULT_SIMULATED_CANDIDATES = 8
 # Start times of equal worth are told apart by how long ago they were learnt, this many
 # seconds per second: far below any difference a simulation makes.
 AGE_WEIGHT = 1e-6
@@ -88,17 +88,13 @@ class Shortlist:
         best = np.maximum(self._starts, now_s) + (now_s - self._learnt) * AGE_WEIGHT + jitter
         best[np.isnan(best)] = np.inf
         oldest = np.nan_to_num(self._learnt, nan=-np.inf) + jitter
-        chosen = self._best_and_explored(best, oldest)
+        num_explored = max(1, int(self.size * EXPLORE_SHARE))
+        chosen = np.union1d(_smallest(best, self.size - num_explored), _smallest(oldest, num_explored))
         if lanes:
             outside = np.flatnonzero(~self._in_lane)
-            chosen = np.union1d(chosen, outside[self._best_and_explored(best[outside], oldest[outside])])
+            chosen = np.union1d(chosen, outside[_smallest(best[outside], self.size - num_explored)])
         chosen = chosen[np.argsort(best[chosen], kind="stable")]
         return [candidates[i] for i in chosen]
-
-    def _best_and_explored(self, best: np.ndarray, oldest: np.ndarray) -> np.ndarray:
-        """Positions of the best known (by ``best``) and of those explored (by ``oldest``)."""
-        num_explored = max(1, int(self.size * EXPLORE_SHARE))
-        return np.union1d(_smallest(best, self.size - num_explored), _smallest(oldest, num_explored))
 
     def learn(self, instance_id: str, start_at_s: float, now_s: float) -> None:
         """From a simulation at ``now_s``: a new request could start its prefill on
