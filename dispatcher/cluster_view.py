@@ -55,6 +55,7 @@ class InstanceView:
     # The beat the replica was last rebuilt from: a newer ``heartbeat`` makes it stale,
     # and the next decision that needs it rebuilds it (ClusterView.replica).
     replica_beat: Heartbeat | None = None
+    replica_used_at_s: float = float("-inf")  # when a decision last asked for the replica
     # Whether refresh_health already reported this instance gone (dead or stopped) since
     # its last beat that said otherwise: its queue is re-placed once per departure.
     left_reported: bool = False
@@ -125,10 +126,14 @@ class ClusterView:
             return get_preset(beat.preset).latency_model
         return self.prior_latency_model
 
-    def replica(self, view: InstanceView, now_wall_s: float) -> InstanceReplica:
+    def replica(self, view: InstanceView, now_wall_s: float, *, keep_current: bool = True) -> InstanceReplica:
         """``view``'s scheduler replica at ``now_wall_s``: rebuilt from the latest beat when
         it was built from an older one (or never), else advanced along its own trajectory
-        (which already includes every assignment made since its last rebuild)."""
+        (which already includes every assignment made since its last rebuild).
+        ``keep_current``: the caller will likely need it again soon, so its next beats
+        rebuild it at once (:data:`HOT_REPLICA_S`); false for a one-off look."""
+        if keep_current:
+            view.replica_used_at_s = now_wall_s
         if view.replica is None:
             self._create_replica(view)
             assert view.replica is not None
@@ -148,7 +153,10 @@ class ClusterView:
 
         A newer beat makes the instance's replica stale; it is rebuilt from the latest beat
         when a decision next needs it (:meth:`replica`), so a beat costs little and a
-        replica no decision looks at is never rebuilt (docs/dispatcher.md, "Heartbeats").
+        replica no decision looks at is never rebuilt, except that a replica a decision
+        used within :data:`HOT_REPLICA_S` is rebuilt here, at once: the next decision most
+        likely needs it too, and should not wait for its rebuild (docs/dispatcher.md,
+        "Decisions and heartbeats at fleet scale").
         Between beats a replica drifts from its engine's step phase by the steps' noise,
         and a short prompt predicted to make a step that starts a few ms after it is placed
         misses it by a whole step when the phase is off: a decision therefore never uses a
@@ -207,6 +215,9 @@ class ClusterView:
             self._create_replica(view)
         if view.replica is not None:
             view.replica.observe_beat(beat)
+            if now_s - view.replica_used_at_s <= HOT_REPLICA_S:
+                self._rebuild(view, now_s)
+                view.replica.baseline()  # the next decision reads it
         return view
 
     def seed(self, beat: Heartbeat) -> None:
@@ -354,6 +365,11 @@ def _indexes_prefixes(beat: Heartbeat, scheme: PrefixScheme) -> bool:
     return (bool(config.get("enable_prefix_caching")) and config.get("block_size") == scheme.block_tokens
             and config.get("prefix_tokenizer", PROJECT_TOKENIZER) == scheme.tokenizer_id)
 
+
+# A replica a decision used this recently (s) is rebuilt when its beat arrives rather than
+# inside the next decision: a few beat intervals, so that the instances decisions keep
+# simulating (all of a small fleet; the shortlist's best of a large one) stay current.
+HOT_REPLICA_S = 0.2
 
 # The prior for an instance that publishes no latency model and no known preset (a vLLM
 # engine): a 7B model's step profile, which the replica refits from the instance's own

@@ -32,9 +32,14 @@ def test_a_stale_replica_is_rebuilt_only_when_a_decision_needs_it() -> None:
     view.apply_heartbeat(beat("a", 11), NOW_S + 1.3)  # a repeated beat changes nothing
     view.replica(a, NOW_S + 1.3)
     assert view.num_replica_rebuilds == 1
+    # Used by a decision just now: the next beat rebuilds it at once, not the next decision.
     view.apply_heartbeat(beat("a", 12), NOW_S + 1.3)
+    assert view.num_replica_rebuilds == 2 and a.replica_beat is a.heartbeat
     view.replica(a, NOW_S + 1.3)
     assert view.num_replica_rebuilds == 2
+    # Not used for longer than HOT_REPLICA_S: stale again until a decision needs it.
+    view.apply_heartbeat(beat("a", 40), NOW_S + 4.0)
+    assert view.num_replica_rebuilds == 2 and a.replica_beat is not a.heartbeat
 
 
 def test_every_beat_reaches_the_replica_even_unbuilt() -> None:

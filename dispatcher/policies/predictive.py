@@ -122,8 +122,10 @@ class Block:
         # By max_model_len (the same on most fleets), unless a prefix cache makes each
         # candidate's prefill its own.
         sizes: dict[int, tuple[int, int]] = {}
+        explored = self.shortlist.explored
         for candidate in candidates:
-            replica = self.view.replica(candidate, now_s)
+            # An instance the shortlist only explores need not be kept current beat by beat.
+            replica = self.view.replica(candidate, now_s, keep_current=candidate.instance_id not in explored)
             max_model_len = replica.config.max_model_len
             if replica.prefix_index is not None:
                 size = replica.request_size(request)

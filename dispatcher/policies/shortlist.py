@@ -59,6 +59,7 @@ class Shortlist:
         self.size = size
         self.rng = rng
         self._jitter: np.random.Generator | None = None
+        self.explored: frozenset[str] = frozenset()  # the candidates the last cut explored
         self.start_at_s: dict[str, float] = {}
         self.learnt_at_s: dict[str, float] = {}
         # Arrays aligned with the candidate list last given (the live list, unchanged until
@@ -79,6 +80,7 @@ class Shortlist:
         """The candidates to simulate at ``now_s`` (every one when the shortlist does not
         cut), best believed first."""
         if not self.cuts(len(candidates)):
+            self.explored = frozenset()
             return list(candidates)
         self._align(candidates, lanes)
         if self._jitter is None:
@@ -89,7 +91,9 @@ class Shortlist:
         best[np.isnan(best)] = np.inf
         oldest = np.nan_to_num(self._learnt, nan=-np.inf) + jitter
         num_explored = max(1, int(self.size * EXPLORE_SHARE))
-        chosen = np.union1d(_smallest(best, self.size - num_explored), _smallest(oldest, num_explored))
+        explored = _smallest(oldest, num_explored)
+        self.explored = frozenset(candidates[i].instance_id for i in explored)
+        chosen = np.union1d(_smallest(best, self.size - num_explored), explored)
         if lanes:
             outside = np.flatnonzero(~self._in_lane)
             chosen = np.union1d(chosen, outside[_smallest(best[outside], self.size - num_explored)])
