@@ -45,6 +45,9 @@ DEFAULT_SIMULATED_CANDIDATES = 8
 AGE_WEIGHT = 1e-6
 # The share of the shortlist that explores (at least one candidate).
 EXPLORE_SHARE = 1 / 8
+# When an instance never simulated was, for exploring it first: before any clock's time
+# (wall seconds, or virtual ones from 0), and small enough for the jitter to tell ties apart.
+NEVER_S = -1e9
 # Exact ties are broken by up to this much random jitter, in seconds.
 TIE_JITTER_S = 1e-6
 
@@ -89,7 +92,7 @@ class Shortlist:
         # Untried instances have neither a start nor a learnt time (NaN): never "known".
         best = np.maximum(self._starts, now_s) + (now_s - self._learnt) * AGE_WEIGHT + jitter
         best[np.isnan(best)] = np.inf
-        oldest = np.nan_to_num(self._learnt, nan=-np.inf) + jitter
+        oldest = np.nan_to_num(self._learnt, nan=NEVER_S) + jitter
         num_explored = max(1, int(self.size * EXPLORE_SHARE))
         explored = _smallest(oldest, num_explored)
         self.explored = frozenset(candidates[i].instance_id for i in explored)
