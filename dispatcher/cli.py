@@ -16,6 +16,7 @@ from blockq.runtime.metrics_server import (
 from blockq.runtime.service_runner import add_common_arguments, run_service, settings_from_args
 from blockq.wire.streams import connect_async, default_consumer_name
 from dispatcher.policies import POLICIES
+from dispatcher.policies.shortlist import DEFAULT_SIMULATED_CANDIDATES
 from dispatcher.service import DispatcherOptions, create_dispatcher, prepare_for_decisions
 from dispatcher.what_if import DEFAULT_OBJECTIVE, OBJECTIVES
 
@@ -31,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "dispatcher resumes its predecessor's pending entries at once "
                              "(default: env BLOCKQ_CONSUMER_NAME, else dispatch-HOSTNAME)")
     parser.add_argument("--batch-size", type=int, default=128, help="max ready entries per read")
+    parser.add_argument("--simulated-candidates", type=int, default=DEFAULT_SIMULATED_CANDIDATES,
+                        help="block/oracle: candidates simulated per decision at most, the shortlist "
+                             "(0: every live instance; docs/dispatcher.md)")
     parser.add_argument("--profile", default=None,
                         help="a measured engine profile (blockq profile --out): the latency model of "
                              "instances that publish none")
@@ -80,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         dispatcher = create_dispatcher(
             client, settings, args.policy, seed=args.seed, objective=args.objective,
             dispatcher_id=args.consumer_name or default_consumer_name("dispatch"),
-            options=DispatcherOptions(batch_size=args.batch_size, dead_after_s=args.dead_after_s),
+            options=DispatcherOptions(batch_size=args.batch_size, dead_after_s=args.dead_after_s,
+                                      num_simulated_candidates=args.simulated_candidates),
             autoscale=autoscale, prior_latency_model=prior, forecast_check=forecast_check)
         prepare_for_decisions(dispatcher.core, autoscales=autoscale is not None)
         try:

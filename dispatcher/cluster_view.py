@@ -33,7 +33,7 @@ from blockq.engine_model.presets import PRESETS
 from blockq.lengths import check_length_mode
 from blockq.text.block_hashes import PROJECT_SCHEME, PrefixScheme
 from blockq.text.model_tokenizer import PROJECT_TOKENIZER
-from blockq.wire.beats import Heartbeat
+from blockq.wire.beats import Heartbeat, progress_column
 from blockq.wire.health import HealthPolicy, InstanceState
 from blockq.wire.protocol import Request
 from dispatcher.prefix_index import PrefixIndex
@@ -52,7 +52,10 @@ class InstanceView:
     num_assigned_total: int = 0
     batch_request_ids: set[str] = field(default_factory=set)  # batch work placed here, not finished
     replica: InstanceReplica | None = None
-    replica_synced_at_s: float = float("-inf")
+    # The beat the replica was last rebuilt from: a newer ``heartbeat`` makes it stale,
+    # and the next decision that needs it rebuilds it (ClusterView.replica).
+    replica_beat: Heartbeat | None = None
+    replica_used_at_s: float = float("-inf")  # when a decision last asked for the replica
     # Whether refresh_health already reported this instance gone (dead or stopped) since
     # its last beat that said otherwise: its queue is re-placed once per departure.
     left_reported: bool = False
@@ -106,6 +109,8 @@ class ClusterView:
         self.audible_since_s = float("-inf")
         self.prior_latency_model = prior_latency_model or get_preset(PRIOR_PRESET).latency_model
         self.prefix_scheme = prefix_scheme
+        self.num_replica_rebuilds = 0  # replicas built or rebuilt from a beat, since start
+        self._live: list[InstanceView] | None = None  # live_instances(), until health changes
 
     def hear_again(self, now_s: float) -> None:
         """The dispatcher can hear beats from ``now_s`` on (it starts leading, reconnected,
@@ -121,13 +126,19 @@ class ClusterView:
             return get_preset(beat.preset).latency_model
         return self.prior_latency_model
 
-    def replica(self, view: InstanceView, now_wall_s: float) -> InstanceReplica:
-        """``view``'s scheduler replica, advanced to ``now_wall_s`` along its own trajectory
-        (which already includes every assignment made since its last rebuild); built from
-        the latest beat the first time it is asked for."""
+    def replica(self, view: InstanceView, now_wall_s: float, *, keep_current: bool = True) -> InstanceReplica:
+        """``view``'s scheduler replica at ``now_wall_s``: rebuilt from the latest beat when
+        it was built from an older one (or never), else advanced along its own trajectory
+        (which already includes every assignment made since its last rebuild).
+        ``keep_current``: the caller will likely need it again soon, so its next beats
+        rebuild it at once (:data:`HOT_REPLICA_S`); false for a one-off look."""
+        if keep_current:
+            view.replica_used_at_s = now_wall_s
         if view.replica is None:
-            self._create_replica(view, now_wall_s)
+            self._create_replica(view)
             assert view.replica is not None
+        if view.replica_beat is not view.heartbeat:
+            self._rebuild(view, now_wall_s)
         else:
             view.replica.advance(now_wall_s)
         return view.replica
@@ -140,13 +151,19 @@ class ClusterView:
         long after it was sent does not make its instance look fresh. The replica is
         synced at ``now_s`` either way (the beat's own times say how old its state is).
 
-        An instance's replica (kept only for policies that simulate) is rebuilt from every
-        newer beat, here on the heartbeat path, so that placement decisions do not pay for
-        it. Between beats a replica drifts from its engine's step phase by the steps'
-        noise, and a short prompt predicted to make a step that starts a few ms after it is
-        placed misses it by a whole step when the phase is off. Rebuilding on every 100 ms
-        beat instead of every 300 ms halved those misses and took ``block``'s mean TTFT at
-        0.9 x Llumnix's capacity from 80.4 to 78.0 ms (docs/decisions/placement.md).
+        A newer beat makes the instance's replica stale; it is rebuilt from the latest beat
+        when a decision next needs it (:meth:`replica`), so a beat costs little and a
+        replica no decision looks at is never rebuilt, except that a replica a decision
+        used within :data:`HOT_REPLICA_S` is rebuilt here, at once: the next decision most
+        likely needs it too, and should not wait for its rebuild (docs/dispatcher.md,
+        "Decisions and heartbeats at fleet scale").
+        Between beats a replica drifts from its engine's step phase by the steps' noise,
+        and a short prompt predicted to make a step that starts a few ms after it is placed
+        misses it by a whole step when the phase is off: a decision therefore never uses a
+        replica older than the latest beat (rebuilding on every 100 ms beat instead of
+        every 300 ms took ``block``'s mean TTFT at 0.9 x Llumnix's capacity from 80.4 to
+        78.0 ms: docs/decisions/placement.md). What a replica must see of every beat, not
+        only of the latest (its step timings, the requests finished), it is given here.
 
         Raises:
             ValueError: when the beat's engine config, or (replicas kept) its latency
@@ -168,16 +185,20 @@ class ClusterView:
                 self.instances.pop(beat.instance_id, None)
             else:
                 self.instances[beat.instance_id] = saved
+            self._live = None
             raise
 
     def _take(self, view: InstanceView | None, beat: Heartbeat, now_s: float, heard_at_s: float) -> InstanceView:
         if view is None:
             view = InstanceView(beat.instance_id, beat, heard_at_s)
             self.instances[beat.instance_id] = view
+            self._live = None
         view.heartbeat = beat
         view.last_beat_at_s = heard_at_s
         view.heard = True
-        view.health = beat.state
+        if view.health != beat.state:
+            view.health = beat.state
+            self._live = None
         if view.prefix_index is None and _indexes_prefixes(beat, self.prefix_scheme):
             view.prefix_index = PrefixIndex(max(1, int(beat.engine_config.get("num_gpu_blocks") or 1)),
                                             self.prefix_scheme.block_tokens)
@@ -190,11 +211,13 @@ class ClusterView:
         if beat.state not in (InstanceState.DRAINING, InstanceState.STOPPED):
             view.drain_reported = False  # back to work: a later drain is reported again
         self._reconcile(view, beat)
-        if view.replica is None:
-            if self.keep_replicas and beat.state == InstanceState.LIVE:
-                self._create_replica(view, now_s)
-        else:
-            self._rebuild(view, now_s)
+        if view.replica is None and self.keep_replicas and beat.state == InstanceState.LIVE:
+            self._create_replica(view)
+        if view.replica is not None:
+            view.replica.observe_beat(beat)
+            if now_s - view.replica_used_at_s <= HOT_REPLICA_S:
+                self._rebuild(view, now_s)
+                view.replica.baseline()  # the next decision reads it
         return view
 
     def seed(self, beat: Heartbeat) -> None:
@@ -206,6 +229,7 @@ class ClusterView:
         if beat.instance_id in self.instances:
             return
         health = InstanceState.STOPPED if beat.state == InstanceState.STOPPED else InstanceState.SUSPECT
+        self._live = None
         self.instances[beat.instance_id] = InstanceView(beat.instance_id, beat, float("-inf"), health=health,
                                                         heard=False)
 
@@ -222,27 +246,29 @@ class ClusterView:
             return
         if new_config or view is None or view.replica is None or beat.latency_model != view.heartbeat.latency_model:
             self._latency_model(beat)
+        _check_restorable(beat)
 
-    def _create_replica(self, view: InstanceView, now_wall_s: float) -> None:
+    def _create_replica(self, view: InstanceView) -> None:
+        """A replica for ``view``, not built yet (stale: the next :meth:`replica` builds it)."""
         # The packed replica has no block cache of its own: a new request's predicted hit
         # (the view's prefix index) shortens the prefill it is simulated with instead.
         config = replace(view.config, enable_prefix_caching=False)
         view.replica = InstanceReplica(config, self._latency_model(view.heartbeat), lengths=self.lengths,
                                        prefix_index=view.prefix_index)
-        self._rebuild(view, now_wall_s)
+        view.replica_beat = None
 
     def _rebuild(self, view: InstanceView, now_wall_s: float) -> None:
         assert view.replica is not None
         view.replica.sync(view.heartbeat, view.assigned_not_seen.values(), now_wall_s)
-        view.replica_synced_at_s = now_wall_s
-        view.replica.baseline()  # the next decision reads it
+        view.replica_beat = view.heartbeat
+        self.num_replica_rebuilds += 1
 
     @staticmethod
     def _reconcile(view: InstanceView, beat: Heartbeat) -> None:
         if not view.assigned_not_seen and not view.batch_request_ids:
             return
-        seen = {r.request_id for r in beat.running}
-        seen.update(r.request_id for r in beat.waiting)
+        seen = set(progress_column(beat.running, 0))
+        seen.update(progress_column(beat.waiting, 0))
         seen.update(beat.finished_ids)
         for request_id in seen & view.assigned_not_seen.keys():
             del view.assigned_not_seen[request_id]
@@ -255,7 +281,10 @@ class ClusterView:
         newly_gone = []
         for view in self.instances.values():
             if view.health not in (InstanceState.DEAD, InstanceState.STOPPED):
-                view.health = self._classify(view, now_s)
+                health = self._classify(view, now_s)
+                if health != view.health:
+                    view.health = health
+                    self._live = None
             if view.health in (InstanceState.DEAD, InstanceState.STOPPED) and not view.left_reported:
                 view.left_reported = True
                 newly_gone.append(view)
@@ -276,9 +305,13 @@ class ClusterView:
         when the replica refuses it (ValueError), nothing is recorded."""
         view = self.instances[instance_id]
         if view.replica is not None:
-            # The replica always holds what was assigned since its rebuild (the next
-            # rebuild re-adds whatever its beat does not show yet).
-            view.replica.add_assignment(request)
+            if view.replica_beat is view.heartbeat:
+                # A current replica holds what was assigned since its rebuild.
+                view.replica.add_assignment(request)
+            else:
+                # A stale one is rebuilt before it is used, with whatever its beat does not
+                # show yet; it keeps the request's belief (beats carry less) meanwhile.
+                view.replica.remember(request)
         view.assigned_not_seen[request.id] = request
         view.num_assigned_total += 1
         if view.prefix_index is not None and request.prompt_block_hashes:
@@ -287,13 +320,29 @@ class ClusterView:
             view.batch_request_ids.add(request.id)
 
     def live_instances(self) -> list[InstanceView]:
-        """Instances that may receive new requests, in a stable (id) order."""
-        return sorted((v for v in self.instances.values() if v.health == InstanceState.LIVE),
-                      key=lambda v: v.instance_id)
+        """Instances that may receive new requests, in a stable (id) order (the same list
+        until an instance's health changes or one is added or forgotten: do not change it)."""
+        if self._live is None:
+            self._live = sorted((v for v in self.instances.values() if v.health == InstanceState.LIVE),
+                                key=lambda v: v.instance_id)
+        return self._live
 
     def forget(self, instance_ids: Iterable[str]) -> None:
         for instance_id in instance_ids:
             self.instances.pop(instance_id, None)
+        self._live = None
+
+
+def _check_restorable(beat: Heartbeat) -> None:
+    """Refuse (ValueError) a beat a replica could not be rebuilt from: a request listed
+    twice, or with no prompt. The rebuild happens later, inside a decision
+    (:meth:`ClusterView.replica`), so what it would refuse is refused here, with the beat."""
+    ids = progress_column(beat.running, 0) + progress_column(beat.waiting, 0)
+    if len(set(ids)) != len(ids):
+        raise ValueError("running, waiting: a request is listed twice")
+    prompt_tokens = progress_column(beat.running, 1) + progress_column(beat.waiting, 1)
+    if prompt_tokens and min(prompt_tokens) < 1:
+        raise ValueError("running, waiting: prompt_tokens must be >= 1")
 
 
 def _saved(view: InstanceView | None) -> InstanceView | None:
@@ -303,7 +352,7 @@ def _saved(view: InstanceView | None) -> InstanceView | None:
     if view is None:
         return None
     return replace(view, assigned_not_seen=dict(view.assigned_not_seen),
-                   batch_request_ids=set(view.batch_request_ids), replica=None, replica_synced_at_s=float("-inf"))
+                   batch_request_ids=set(view.batch_request_ids), replica=None, replica_beat=None)
 
 
 def _indexes_prefixes(beat: Heartbeat, scheme: PrefixScheme) -> bool:
@@ -316,6 +365,11 @@ def _indexes_prefixes(beat: Heartbeat, scheme: PrefixScheme) -> bool:
     return (bool(config.get("enable_prefix_caching")) and config.get("block_size") == scheme.block_tokens
             and config.get("prefix_tokenizer", PROJECT_TOKENIZER) == scheme.tokenizer_id)
 
+
+# A replica a decision used this recently (s) is rebuilt when its beat arrives rather than
+# inside the next decision: a few beat intervals, so that the instances decisions keep
+# simulating (all of a small fleet; the shortlist's best of a large one) stay current.
+HOT_REPLICA_S = 0.2
 
 # The prior for an instance that publishes no latency model and no known preset (a vLLM
 # engine): a 7B model's step profile, which the replica refits from the instance's own

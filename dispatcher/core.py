@@ -86,7 +86,6 @@ class CoreStats:
 
     num_beats_applied: int = 0
     beats_rejected: Counter[str] = field(default_factory=Counter)  # by reason (BEAT_REJECTION_REASONS)
-    num_replica_rebuilds: int = 0   # replicas built or rebuilt from a beat
     num_placed: int = 0
     num_held: int = 0
     num_rejected: int = 0
@@ -109,7 +108,9 @@ class DispatcherCore:
     policy's, :data:`dispatcher.policies.POLICIES`). ``slo_ttft_ms``: the TTFT objective
     of interactive requests that carry none (None: none); every decision is judged
     against the request's objective and deadline (:mod:`dispatcher.admission`), and one
-    predicted to miss them is answered :class:`Infeasible` instead of placed."""
+    predicted to miss them is answered :class:`Infeasible` instead of placed.
+    ``num_simulated_candidates``: how many candidates a simulating policy simulates per
+    decision at most (0: every one; :mod:`dispatcher.policies.shortlist`)."""
 
     def __init__(self, policy_name: str, *, seed: int | None = None, objective: str = DEFAULT_OBJECTIVE,
                  lengths: str | None = None, health_policy: HealthPolicy | None = None,
@@ -117,11 +118,12 @@ class DispatcherCore:
                  slo_ttft_ms: float | None = None,
                  prior_latency_model: StepLatencyModel | None = None,
                  forecast_check: ForecastCheckOptions | None = None,
-                 prefix_scheme: PrefixScheme = PROJECT_SCHEME) -> None:
+                 prefix_scheme: PrefixScheme = PROJECT_SCHEME,
+                 num_simulated_candidates: int = 0) -> None:
         self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy,
                               prior_latency_model=prior_latency_model, prefix_scheme=prefix_scheme)
         self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective,
-                                          slo_ttft_ms=slo_ttft_ms)
+                                          slo_ttft_ms=slo_ttft_ms, num_simulated_candidates=num_simulated_candidates)
         self.timer = timer
         self.slo_ttft_ms = slo_ttft_ms
         self.stats = CoreStats()
@@ -150,17 +152,13 @@ class DispatcherCore:
         the beat was rejected. This is the per-beat boundary: whatever applying it raises
         (a value decoding let through that breaks the replica, a bug), the view keeps the
         instance as it was, the rejection is counted by reason, and the core carries on."""
-        known = self.view.instances.get(beat.instance_id)
-        synced_at_s = known.replica_synced_at_s if known is not None else None
         try:
-            view = self.view.apply_heartbeat(beat, now_s, heard_at_s)
+            self.view.apply_heartbeat(beat, now_s, heard_at_s)
         except (ValueError, KeyError, TypeError) as exc:  # ValidationError is a ValueError
             return self.reject_beat(BEAT_UNUSABLE, exc)
         except Exception as exc:  # e.g. OverflowError, MemoryError from sizes no engine has
             return self.reject_beat(BEAT_FAILED, exc)
         self.stats.num_beats_applied += 1
-        if view.replica_synced_at_s != synced_at_s and view.replica is not None:
-            self.stats.num_replica_rebuilds += 1  # the view stamps each rebuild with its time
         self.answered_sizes.extend(beat.finished_sizes)
         return None
 

@@ -93,8 +93,9 @@ class _CoreCollector(Collector):
                                ("rejected", stats.num_rejected), ("infeasible", stats.num_infeasible)):
             decisions.add_metric([self.core.policy.name, outcome], count)
         yield decisions
-        yield CounterMetricFamily("blockq_dispatcher_replica_rebuilds", "Instance replicas rebuilt from a beat.",
-                                  value=stats.num_replica_rebuilds)
+        yield CounterMetricFamily("blockq_dispatcher_replica_rebuilds", "Instance replicas rebuilt from a beat "
+                                  "(when a decision needed one older than its latest beat).",
+                                  value=self.core.view.num_replica_rebuilds)
         rejected = CounterMetricFamily("blockq_dispatcher_beats_rejected", "Heartbeats that changed nothing, by "
                                        "reason (undecodable, unusable, error).", labels=["reason"])
         for reason in BEAT_REJECTION_REASONS:

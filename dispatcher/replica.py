@@ -1,7 +1,8 @@
 """The dispatcher's replica of one instance's scheduler, kept current between beats.
 
-A heartbeat is a snapshot from the past. On each new beat the replica is rebuilt from it
-(:meth:`PackedScheduler.restored`) at the time its state holds (``state_at_s``: the end of
+A heartbeat is a snapshot from the past. The first time a decision needs the replica after
+a new beat, it is rebuilt from that beat (:meth:`PackedScheduler.restored`;
+:meth:`dispatcher.cluster_view.ClusterView.replica`) at the time its state holds (``state_at_s``: the end of
 the step under way when the engine reports the state that step leaves), with output
 targets from what is known about each request (:mod:`blockq.lengths`: tokens
 generated so far and the conditional length distribution, of the first guess or, once the
@@ -9,7 +10,8 @@ worker reports one, of the latest remaining-length refinement: :mod:`workers.ref
 advanced by the model time elapsed since the beat, and given back the requests this
 dispatcher assigned that the beat does not show yet. Between beats, the replica advances
 along its own deterministic trajectory, and each assignment is added to it at once, so
-that the next decision sees it.
+that the next decision sees it. Every beat, rebuilt from or not, gives it its step timings
+and finished requests (:meth:`InstanceReplica.observe_beat`).
 
 The latency model starts from the one the instance publishes and is refitted online from
 the step timings in its beats, so the replica follows the real hardware.
@@ -21,6 +23,7 @@ Its :class:`Baseline` (the future without a new request) is kept per version.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -53,14 +56,27 @@ DELIVERY_S = 0.003
 MAX_DELIVERY_S = 0.1
 
 
-@dataclass(frozen=True)
 class Baseline:
     """One replica's future without a new request: the snapshot where a request appended
     now would first be looked at (:meth:`PackedScheduler.queue_drain_snapshot`; every
-    what-if run equals the baseline up to there), and when each row finishes from there."""
+    what-if run equals the baseline up to there), and when each row finishes from there
+    (simulated on first use: ranking candidates by TTFT never needs it, only the chosen
+    one's full forecast does)."""
 
-    snapshot: PackedScheduler
-    finished_at_s: np.ndarray   # by row; NaN for rows that never finish in the run
+    __slots__ = ("snapshot", "_finished_at_s")
+
+    def __init__(self, snapshot: PackedScheduler, finished_at_s: np.ndarray | None = None) -> None:
+        self.snapshot = snapshot
+        self._finished_at_s = finished_at_s
+
+    @property
+    def finished_at_s(self) -> np.ndarray:
+        """By row; NaN for rows that never finish in the run."""
+        if self._finished_at_s is None:
+            future = self.snapshot.clone()
+            future.simulate()
+            self._finished_at_s = future.times[:, FINISHED].copy()
+        return self._finished_at_s
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,11 @@ class WhatIf:
     start: PackedScheduler
     arrival_s: float
     finished_at_s: np.ndarray
+
+
+# A beat's quantiles as a belief: the same few numbers beat after beat for each request a
+# rebuild restores, and making the belief anew was a third of a rebuild.
+_belief_in_beat = functools.lru_cache(maxsize=1 << 16)(belief_from_prediction)
 
 
 def belief_of(request: Request) -> LengthBelief:
@@ -132,9 +153,15 @@ class InstanceReplica:
 
     # --- updates ------------------------------------------------------------------------
 
-    def sync(self, beat: Heartbeat, assigned_not_seen: Iterable[Request], now_wall_s: float) -> None:
-        """Rebuild from ``beat``, advance to now, add the assignments the beat lacks."""
+    def observe_beat(self, beat: Heartbeat) -> None:
+        """What the replica keeps from every beat, whether or not it is rebuilt from it:
+        the step timings (the latency refit) and the requests finished (beliefs dropped)."""
         self._observe_samples(beat)
+        self._forget_finished(beat.finished_ids)
+
+    def sync(self, beat: Heartbeat, assigned_not_seen: Iterable[Request], now_wall_s: float) -> None:
+        """Rebuild from ``beat`` (already observed: :meth:`observe_beat`), advance to now,
+        add the assignments the beat lacks."""
         self._beat = beat
         measured_s = min(MAX_DELIVERY_S, (beat.delivery_p90_ms or 0.0) / 1000)
         self.delivery_s = max(self.min_delivery_s, measured_s)
@@ -153,7 +180,6 @@ class InstanceReplica:
         rows = self._new_rows
         scheduler.add_requests([rows.get(request.id) or (request.id, *self.request_size(request))
                                 for request in assigned_not_seen])
-        self._forget_finished(beat.finished_ids)
         self.version += 1
 
     def advance(self, now_wall_s: float) -> None:
@@ -162,6 +188,19 @@ class InstanceReplica:
         the engine (:attr:`delivery_s`)."""
         self.now_s = self.model_time_s(now_wall_s)
         self.scheduler.simulate(until_s=self.model_time_s(now_wall_s + self.delivery_s))
+
+    @property
+    def time_scale(self) -> float:
+        """Wall seconds per model second on this instance (its latest beat says)."""
+        return self._beat.time_scale if self._beat is not None and self._beat.time_scale else 1.0
+
+    def prefill_alone_s(self, prompt_tokens: int) -> float:
+        """Model seconds to prefill ``prompt_tokens`` on this instance if nothing else ran:
+        what a TTFT here is beyond the wait for the others (a ranking's estimate)."""
+        model, budget = self._simulated_latency_model(), max(1, self.config.max_num_batched_tokens)
+        num_full, rest = divmod(prompt_tokens, budget)
+        seconds = num_full * model.step_seconds(budget, 0, 0) if num_full else 0.0
+        return seconds + (model.step_seconds(rest, 0, 0) if rest else 0.0)
 
     def scale_latency(self, ratio: float) -> None:
         """Simulate steps ``ratio`` times as long as now, from the next rebuild on."""
@@ -231,10 +270,7 @@ class InstanceReplica:
         cached = self._baseline
         if cached is not None and cached[0] == self.version:
             return cached[1]
-        snapshot = self.scheduler.queue_drain_snapshot()
-        future = snapshot.clone()
-        future.simulate()
-        baseline = Baseline(snapshot, future.times[:, FINISHED].copy())
+        baseline = Baseline(self.scheduler.queue_drain_snapshot())
         self._baseline = (self.version, baseline)
         return baseline
 
@@ -248,9 +284,9 @@ class InstanceReplica:
         for item in progress:
             if item.refined_at_tokens is not None and lengths != "truth":
                 # Refined from the partial output: it knows more than the first guess.
-                belief = belief_from_prediction(item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
+                belief = _belief_in_beat(item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
             else:
-                belief = beliefs.get(item.request_id) or belief_from_prediction(
+                belief = beliefs.get(item.request_id) or _belief_in_beat(
                     item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
             prompt_tokens = min(item.prompt_tokens, max_model_len - 1)
             if not item.num_computed_tokens and (placed := self._new_rows.get(item.request_id)) is not None:

@@ -68,6 +68,7 @@ from dispatcher.cluster_view import ClusterView
 from dispatcher.core import DispatcherCore, Held, Placed
 from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
 from dispatcher.metrics import DispatcherMetrics, DoneFollower
+from dispatcher.policies.shortlist import DEFAULT_SIMULATED_CANDIDATES
 from dispatcher.replacement import DEFAULT_CHUNK_ENTRIES, QueueReplacer, queue_placement
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 
@@ -83,6 +84,12 @@ class DispatcherOptions:
     dead_after_s: float = 5.0
     max_unplaced: int = 10_000
     replace_chunk_entries: int = DEFAULT_CHUNK_ENTRIES  # queue entries re-placed per step at most
+    # Candidates a simulating policy simulates per decision at most (0: every live instance).
+    num_simulated_candidates: int = DEFAULT_SIMULATED_CANDIDATES
+
+    def __post_init__(self) -> None:
+        if self.num_simulated_candidates < 0:
+            raise ValueError(f"num_simulated_candidates: must be >= 0 (got {self.num_simulated_candidates})")
 
 
 class Dispatcher:
@@ -235,15 +242,16 @@ class Dispatcher:
         instances (the unread part of draining ones'), place a batch, size the fleet when
         due (autoscale). Returns the number of requests placed. Raises :class:`LeaseLost`
         when a write found the term over (nothing of it was written)."""
-        await self.follow_heartbeats()
+        caught_up = await self.follow_heartbeats()
         now_s = self.clock()
         self.replacer.add(self.core.refresh_health(now_s))
         await self.replacer.step(now_s, self.beats.bus_now_s(now_s))
         entries: list[StreamEntry] = []
         if len(self.unplaced) < self.options.max_unplaced:
-            # Requests in hand that could be placed, or queues being moved: poll briefly.
-            # Only held (batch) work, or none: block, so that held work does not spin the loop.
-            busy = (self.unplaced and self._last_num_placed) or self.replacer.pending
+            # Requests in hand that could be placed, queues being moved or beats left to
+            # read: poll briefly. Only held (batch) work, or none: block, so that held work
+            # does not spin the loop.
+            busy = (self.unplaced and self._last_num_placed) or self.replacer.pending or not caught_up
             entries = await self.consumer.read(self.options.batch_size, 1 if busy else self.options.block_ms,
                                                held_ids=self._unplaced_ids)
         elif not self.view.live_instances():
@@ -255,12 +263,13 @@ class Dispatcher:
         await self.cell_load.step(self.clock(), len(self.unplaced))
         return num_placed
 
-    async def follow_heartbeats(self) -> None:
-        """Apply every heartbeat published since the last call (non-blocking), dated by
-        Redis' clock; at the start of a term, seed the view from the registry first
-        (:class:`dispatcher.beat_reads.BeatFollower`). A beat that cannot be decoded or
-        applied is logged, counted, skipped."""
-        await self.beats.follow(self.client)
+    async def follow_heartbeats(self) -> bool:
+        """Apply the heartbeats published since the last call, one bounded read of them
+        (non-blocking), dated by Redis' clock; at the start of a term, seed the view from
+        the registry first (:class:`dispatcher.beat_reads.BeatFollower`). A beat that
+        cannot be decoded or applied is logged, counted, skipped. True when caught up
+        with the beat stream."""
+        return await self.beats.follow(self.client)
 
     async def place_batch(self, entries: list[StreamEntry]) -> int:
         """Place retried and new requests in order; all writes in one fenced transaction
@@ -347,6 +356,7 @@ def create_dispatcher(client: aioredis.Redis, settings: Settings, policy_name: s
     core = DispatcherCore(policy_name, seed=seed, objective=objective, timer=time.perf_counter,
                           slo_ttft_ms=settings.slo_ttft_ms or None, prior_latency_model=prior_latency_model,
                           forecast_check=forecast_check, prefix_scheme=settings.prefix_scheme,
+                          num_simulated_candidates=options.num_simulated_candidates,
                           health_policy=HealthPolicy(heartbeat_interval_s=settings.heartbeat_interval_ms / 1000,
                                                      dead_after_s=options.dead_after_s))
     dispatcher = Dispatcher(client, settings, core, dispatcher_id=dispatcher_id, options=options)

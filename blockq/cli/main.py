@@ -202,6 +202,9 @@ def _add_dispatch_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="block", help="a policy name, or a comma-separated list")
     p.add_argument("--objective", default=None, help="block objective (default: the dispatcher's, ttft)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulated-candidates", type=int, default=None,
+                   help="block/oracle: candidates simulated per decision at most, the shortlist (0: every "
+                        "instance; default: the dispatcher's)")
     p.add_argument("--redis", dest="redis_url", default=None,
                    help="measure placements/s through a real dispatcher on this Redis ('embedded' starts one)")
     p.add_argument("--slo-ttft-ms", type=int, default=0,
@@ -227,7 +230,8 @@ def cmd_dispatch_bench(args: argparse.Namespace) -> int:
         for policy in policies:
             results.append(bench_decisions(policy=policy, instances=args.instances, running=args.running,
                                            waiting=args.waiting, requests=args.requests, rate_per_s=args.rate,
-                                           seed=args.seed, objective=args.objective))
+                                           seed=args.seed, objective=args.objective,
+                                           **_shortlist(args)))
     if args.json:
         print_json(results[0] if len(results) == 1 else results)
         return 0
@@ -244,6 +248,11 @@ def cmd_dispatch_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shortlist(args: argparse.Namespace) -> dict[str, int]:
+    """``--simulated-candidates`` as the benches' keyword, when given (else their default)."""
+    return {} if args.simulated_candidates is None else {"simulated_candidates": args.simulated_candidates}
+
+
 def _placements_on_redis(args: argparse.Namespace, policies: list[str], run_placements: Any) -> list[dict[str, Any]]:
     import tempfile
 
@@ -253,7 +262,7 @@ def _placements_on_redis(args: argparse.Namespace, policies: list[str], run_plac
         return [run_placements(redis_url, policy=p, instances=args.instances, running=args.running,
                                waiting=args.waiting, requests=args.requests, seed=args.seed,
                                slo_ttft_ms=args.slo_ttft_ms, undecided_wait_s=args.undecided_wait,
-                               max_seconds=args.max_seconds)
+                               max_seconds=args.max_seconds, **_shortlist(args))
                 for p in policies]
 
     if args.redis_url != "embedded":

@@ -4,8 +4,10 @@ validation (the rest of the wire format is :mod:`blockq.wire.protocol`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
+from itertools import chain
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from blockq.engine_model.config import EngineConfig
@@ -107,8 +109,9 @@ class Heartbeat:
     engine_config: dict[str, Any]
     latency_model: dict[str, Any] | None
     num_used_blocks: int
-    running: tuple[RequestProgress, ...]
-    waiting: tuple[RequestProgress, ...]
+    # Tuples when built; a decoded beat's are ProgressLists (equal to the tuples).
+    running: Sequence[RequestProgress]
+    waiting: Sequence[RequestProgress]
     num_running_total: int
     num_waiting_total: int
     finished_ids: tuple[str, ...] = ()
@@ -138,12 +141,15 @@ class Heartbeat:
         return {"v": SCHEMA_VERSION, "kind": "heartbeat", **data}
 
     @classmethod
-    def from_map(cls, data: Mapping[str, Any]) -> Heartbeat:
+    def from_map(cls, data: Mapping[str, Any], *, engine_model_checked: bool = False) -> Heartbeat:
+        """Decode and validate; ``engine_model_checked``: the caller knows this beat's
+        ``engine_config`` and ``latency_model`` passed the check before
+        (:class:`HeartbeatDecoder`), which is then skipped."""
         check_envelope(data, "heartbeat")
         state = field_of(data, "state", str)
         if state not in REPORTED_STATES:
             raise ValidationError("state", f"must be one of {', '.join(REPORTED_STATES)} (got {state!r})")
-        values = {f.name: data.get(f.name) for f in fields(cls)}
+        values = {name: data.get(name) for name in _FIELD_NAMES}
         values["running"] = _progress_list(data, "running")
         values["waiting"] = _progress_list(data, "waiting")
         values["finished_ids"] = _finished_ids(data.get("finished_ids") or ())
@@ -170,15 +176,122 @@ class Heartbeat:
         if "lag_p99_ms" in data:
             values["lag_p99_ms"] = float_field(data, "lag_p99_ms")
         values["step_samples"] = _step_samples(data.get("step_samples") or ())
-        _check_engine_model(data)
+        if not engine_model_checked:
+            _check_engine_model(data)
         return cls(**values)
 
 
-def _progress_list(data: Mapping[str, Any], name: str) -> tuple[RequestProgress, ...]:
+_FIELD_NAMES = tuple(f.name for f in fields(Heartbeat))  # fields() per beat was a tenth of decoding one
+
+
+class HeartbeatDecoder:
+    """:func:`decode_heartbeat` for a reader of every beat of a fleet: an instance's engine
+    config and latency model are checked when they differ from those of its last beat
+    that decoded, not at every beat (they change when the engine restarts or refits, and
+    the check was a fifth of a beat's decoding)."""
+
+    def __init__(self) -> None:
+        self._checked: dict[str, tuple[Any, Any]] = {}  # instance id -> (engine_config, latency_model)
+
+    def decode(self, raw: bytes) -> Heartbeat:
+        data = unpack_map(raw)
+        instance_id = data.get("instance_id")
+        known = self._checked.get(instance_id) if isinstance(instance_id, str) else None
+        engine_model = (data.get("engine_config"), data.get("latency_model"))
+        beat = Heartbeat.from_map(data, engine_model_checked=known is not None and known == engine_model)
+        self._checked[beat.instance_id] = engine_model
+        return beat
+
+
+def _progress_list(data: Mapping[str, Any], name: str) -> Sequence[RequestProgress]:
     entries = field_of(data, name, list)
     if len(entries) > MAX_HEARTBEAT_REQUESTS:
         raise ValidationError(name, f"must have at most {MAX_HEARTBEAT_REQUESTS} entries (got {len(entries)})")
-    return tuple(RequestProgress.from_list(v, name) for v in entries)
+    progress = _well_formed_progress(entries)
+    if progress is not None:
+        return progress
+    return tuple(RequestProgress.from_list(v, name) for v in entries)  # raises, naming the bad entry
+
+
+def _well_formed_progress(entries: list[Any]) -> ProgressList | None:
+    """``entries`` as :meth:`RequestProgress.from_list` would decode them, checked list-wide
+    with builtins (a beat lists ~70 requests; checking them one by one was most of
+    decoding it, and most beats a dispatcher applies are never read entry by entry); None
+    when any entry is not well formed (the caller then finds which, and why)."""
+    if not entries:
+        return ProgressList([])
+    if set(map(type, entries)) != {list} or not set(map(len, entries)) <= {6, 8}:
+        return None
+    ids = list(map(_FIRST, entries))
+    if set(map(type, ids)) != {str} or min(map(len, ids)) < 1 or max(map(len, ids)) > MAX_REQUEST_ID_CHARS:
+        return None
+    required = list(chain.from_iterable(map(_REQUIRED_COUNTS, entries)))
+    optional = list(chain.from_iterable(map(_OPTIONAL_COUNTS, entries)))
+    if None in optional:
+        optional = [count for count in optional if count is not None]
+    for counts in (required, optional):
+        if counts and (set(map(type, counts)) != {int} or min(counts) < 0 or max(counts) >= 2**31):
+            return None
+    return ProgressList(entries)
+
+
+_FIRST = itemgetter(0)
+_REQUIRED_COUNTS = itemgetter(1, 2, 3)
+_OPTIONAL_COUNTS = itemgetter(slice(4, None))
+
+
+class ProgressList(Sequence[RequestProgress]):
+    """A decoded beat's request list: checked when decoded (:func:`_well_formed_progress`),
+    made into :class:`RequestProgress` entries only when read entry by entry (a dispatcher
+    reads a beat's lists only when a decision rebuilds its replica); equal to the tuple of
+    its entries."""
+
+    __slots__ = ("_raw", "_items")
+
+    def __init__(self, raw: list[list[Any]]) -> None:
+        self._raw: list[list[Any]] | None = raw
+        self._items: tuple[RequestProgress, ...] | None = None
+
+    def _made(self) -> tuple[RequestProgress, ...]:
+        if self._items is None:
+            assert self._raw is not None
+            self._items = tuple([RequestProgress(*values) for values in self._raw])
+            self._raw = None
+        return self._items
+
+    def column(self, position: int) -> list[Any]:
+        """One field of every entry (0: the request ids), without making the entries."""
+        if self._raw is not None:
+            return list(map(itemgetter(position), self._raw))
+        return [item[position] for item in self._made()]
+
+    def __len__(self) -> int:
+        return len(self._raw) if self._raw is not None else len(self._made())
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]  # int or slice, as tuple's
+        return self._made()[index]
+
+    def __iter__(self) -> Iterator[RequestProgress]:
+        return iter(self._made())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ProgressList | tuple):
+            return self._made() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._made())
+
+    def __repr__(self) -> str:
+        return repr(self._made())
+
+
+def progress_column(progress: Sequence[RequestProgress], position: int) -> list[Any]:
+    """One field of every entry of a beat's list (0: the request ids, 1: the prompt
+    tokens), of a decoded one without making its entries."""
+    if isinstance(progress, ProgressList):
+        return progress.column(position)
+    return [item[position] for item in progress]
 
 
 def _finished_ids(values: Any) -> tuple[str, ...]:

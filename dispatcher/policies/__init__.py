@@ -64,11 +64,14 @@ def make_view(name: str, *, lengths: str | None = None, **options: object) -> Cl
 
 
 def make_policy(name: str, view: ClusterView | None = None, *, seed: int | None = None,
-                objective: str = DEFAULT_OBJECTIVE, slo_ttft_ms: float | None = None) -> Policy:
-    """The policy registered as ``name`` on ``view`` (a new one for it when None)."""
+                objective: str = DEFAULT_OBJECTIVE, slo_ttft_ms: float | None = None,
+                num_simulated_candidates: int = 0) -> Policy:
+    """The policy registered as ``name`` on ``view`` (a new one for it when None); the
+    options are :class:`PolicyOptions`'."""
     spec = policy_spec(name)
     return spec.factory(view if view is not None else make_view(name), random.Random(seed),
-                        PolicyOptions(objective=objective, slo_ttft_ms=slo_ttft_ms))
+                        PolicyOptions(objective=objective, slo_ttft_ms=slo_ttft_ms,
+                                      num_simulated_candidates=num_simulated_candidates))
 
 
 __all__ = ["Decision", "Policy", "PolicyOptions", "POLICIES", "PolicySpec", "make_policy", "make_view", "policy_spec"]

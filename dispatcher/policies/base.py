@@ -23,11 +23,19 @@ class Decision:
 @dataclass(frozen=True)
 class PolicyOptions:
     """What a policy is told at construction: the objective it scores by (policies that
-    simulate) and the TTFT objective of interactive requests that carry none (None: none;
-    see :mod:`dispatcher.admission`)."""
+    simulate), the TTFT objective of interactive requests that carry none (None: none;
+    see :mod:`dispatcher.admission`) and, for ``block`` and ``oracle``, how many
+    candidates a decision simulates at most (0: every one;
+    :mod:`dispatcher.policies.shortlist`)."""
 
     objective: str = DEFAULT_OBJECTIVE
     slo_ttft_ms: float | None = None
+    num_simulated_candidates: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_simulated_candidates < 0:
+            raise ValueError(f"num_simulated_candidates: must be >= 0, 0 for every candidate "
+                             f"(got {self.num_simulated_candidates})")
 
 
 class Policy(Protocol):

@@ -12,6 +12,7 @@ from blockq.wire.protocol import Request
 from dispatcher.admission import ttft_budget_s
 from dispatcher.cluster_view import ClusterView, InstanceView
 from dispatcher.policies.base import Decision, PolicyOptions
+from dispatcher.policies.shortlist import Shortlist
 from dispatcher.replica import InstanceReplica
 from dispatcher.what_if import OBJECTIVES, Forecast, forecast, forecast_ttft
 
@@ -62,7 +63,11 @@ class Block:
     quantile guards against KV exhaustion: before a candidate is taken, its run is
     repeated with the p90 length, and a candidate where that run preempts more than the
     median run is passed over for the next best, among the best ``kv_guard_candidates``;
-    if all of them would, the best one is taken."""
+    if all of them would, the best one is taken.
+
+    On a fleet of more than ``num_simulated_candidates`` (> 0) instances, only the
+    candidates of a :class:`~dispatcher.policies.shortlist.Shortlist` of that size are
+    simulated."""
 
     name = "block"
     kv_guard_candidates = 0
@@ -75,6 +80,8 @@ class Block:
         self.rng = rng
         self.objective = options.objective
         self.slo_ttft_ms = options.slo_ttft_ms
+        self.shortlist = Shortlist(options.num_simulated_candidates, rng)
+        self._lanes: tuple[Sequence[InstanceView] | None, frozenset[str]] = (None, frozenset())
 
     def forecast(self, request: Request, candidate: InstanceView, now_s: float) -> Forecast:
         replica = self.view.replica(candidate, now_s)
@@ -86,6 +93,28 @@ class Block:
 
     def _best(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
               bus_now_s: float | None = None) -> Decision:
+        lanes = self._lane_ids(candidates)
+        ranked = self._ranked(request, self.shortlist.select(candidates, lanes, now_s), now_s)
+        ranked = self._meeting_the_slo_first(request, ranked, now_s, bus_now_s)
+        if lanes and _keeps_off_lanes(ranked):
+            ranked = self._lanes_last(request, ranked, lanes, now_s, bus_now_s)
+        chosen = ranked[0]
+        for item in ranked[:self.kv_guard_candidates]:
+            upper_size = item.replica.request_size(request, lengths="upper")
+            if upper_size == item.size:
+                break  # no spread above the median: nothing to guard
+            upper = forecast(item.replica, request.id, *upper_size, keep=False)
+            if upper.num_preemptions <= item.forecast.num_preemptions:
+                chosen = item
+                break
+        chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size)
+        if self.shortlist.cuts(len(candidates)):
+            self._learn(ranked, now_s)
+        return Decision(chosen.candidate.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
+                        predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
+
+    def _ranked(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> list[_Ranked]:
+        """``candidates`` simulated with the request, best score first (ties at random)."""
         # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
         # one's run to the end (the replica's next baseline, the predicted E2E) follows.
         ttft_only = self.objective == "ttft" and not self.kv_guard_candidates
@@ -93,8 +122,10 @@ class Block:
         # By max_model_len (the same on most fleets), unless a prefix cache makes each
         # candidate's prefill its own.
         sizes: dict[int, tuple[int, int]] = {}
+        explored = self.shortlist.explored
         for candidate in candidates:
-            replica = self.view.replica(candidate, now_s)
+            # An instance the shortlist only explores need not be kept current beat by beat.
+            replica = self.view.replica(candidate, now_s, keep_current=candidate.instance_id not in explored)
             max_model_len = replica.config.max_model_len
             if replica.prefix_index is not None:
                 size = replica.request_size(request)
@@ -112,21 +143,25 @@ class Block:
             key = (round(score, 9), self.rng.random())
             ranked.append(_Ranked(key, ttft_s, candidate, replica, size, candidate_forecast))
         ranked.sort(key=lambda item: item.key)
-        ranked = self._meeting_the_slo_first(request, ranked, now_s, bus_now_s)
-        if _keeps_off_lanes(ranked):
-            ranked = self._lanes_last(request, ranked, now_s, bus_now_s)
-        chosen = ranked[0]
-        for item in ranked[:self.kv_guard_candidates]:
-            upper_size = item.replica.request_size(request, lengths="upper")
-            if upper_size == item.size:
-                break  # no spread above the median: nothing to guard
-            upper = forecast(item.replica, request.id, *upper_size, keep=False)
-            if upper.num_preemptions <= item.forecast.num_preemptions:
-                chosen = item
-                break
-        chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size)
-        return Decision(chosen.candidate.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
-                        predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
+        return ranked
+
+    def _learn(self, ranked: list[_Ranked], now_s: float) -> None:
+        """Tell the shortlist when each simulated instance could start a new request's
+        prefill: after the wait this request was simulated to have there (its TTFT less its
+        own prefill). The one it goes to is no exception: the next decision simulates it
+        again, with this request, if it still ranks among the best."""
+        for item in ranked:
+            replica = item.replica
+            wait_s = max(0.0, item.ttft_s - replica.prefill_alone_s(item.size[0]))
+            self.shortlist.learn(item.candidate.instance_id, now_s + wait_s * replica.time_scale, now_s)
+
+    def _lane_ids(self, candidates: Sequence[InstanceView]) -> frozenset[str]:
+        """:func:`lane_ids` of ``candidates``, kept while the same list is given (the live list)."""
+        cached, lanes = self._lanes
+        if cached is not candidates:
+            lanes = lane_ids([candidate.instance_id for candidate in candidates])
+            self._lanes = (candidates, lanes)
+        return lanes
 
     def _meeting_the_slo_first(self, request: Request, ranked: list[_Ranked], now_s: float,
                                bus_now_s: float | None = None) -> list[_Ranked]:
@@ -145,11 +180,11 @@ class Block:
         missing = sorted((item for item in ranked if item.ttft_s > budget_s), key=lambda item: item.ttft_s)
         return meeting + missing if meeting else missing
 
-    def _lanes_last(self, request: Request, ranked: list[_Ranked], now_s: float,
+    def _lanes_last(self, request: Request, ranked: list[_Ranked], lanes: frozenset[str], now_s: float,
                     bus_now_s: float | None = None) -> list[_Ranked]:
-        """``ranked`` with the lane instances moved behind every other instance predicted
-        within ``LANE_SLACK_S`` of the best TTFT and within the request's TTFT objective."""
-        lanes = lane_ids([item.candidate.instance_id for item in ranked])
+        """``ranked`` with the lane instances (``lanes``) moved behind every other instance
+        predicted within ``LANE_SLACK_S`` of the best TTFT and within the request's TTFT
+        objective."""
         budget_s = ttft_budget_s(request, self.slo_ttft_ms, now_s, bus_now_s)
         limit_s = min(item.ttft_s for item in ranked) + LANE_SLACK_S
         if budget_s is not None:
@@ -169,14 +204,14 @@ def lane_ids(instance_ids: Sequence[str]) -> frozenset[str]:
 
 
 def _keeps_off_lanes(ranked: list[_Ranked]) -> bool:
-    """Whether the request ranked in ``ranked`` is kept off the lanes: the fleet has lanes
-    (``LANE_EVERY`` instances or more, no prefix cache modelled) and the request is
+    """Whether the request ranked in ``ranked`` is kept off the lanes, on a fleet with lanes
+    (``LANE_EVERY`` instances or more: the caller checks): no prefix cache is modelled and the request is
     neither a long prompt (the lanes' purpose) nor a brief answer. No lanes where the
     replicas model a prefix cache: there a prompt's prefill depends on where its prefix is
     cached, and conversations' long histories filled the lanes (ShareGPT multi-turn, 12
     A30s: capacity 16.71 -> 15.56 req/s with lanes)."""
     best = ranked[0]
-    if len(ranked) < LANE_EVERY or best.replica.prefix_index is not None:
+    if best.replica.prefix_index is not None:
         return False
     prompt_tokens, output_tokens = best.size
     long_prompt_tokens = LANE_PROMPT_CHUNKS * best.replica.config.max_num_batched_tokens

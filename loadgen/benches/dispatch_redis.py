@@ -13,11 +13,12 @@ unread. The bench stops once every request is decided, once none has been decide
 dispatcher and read back from Redis (:func:`read_outcomes`), so a request with no
 outcome, or two, shows as a mismatch.
 
-**A dispatcher the beats outpace** never ends a step: it reads beats until it has caught
-up (:meth:`dispatcher.beat_reads.BeatFollower.follow`). Cancelling the step is no way out
-(on Python 3.11 the cancellation lands in an ``asyncio.wait_for`` inside redis-py's send,
-which swallows it once the write is done), so when the wait is over the fleet stops
-beating, the read ends, and the run is reported as such (``ended_by``).
+**A dispatcher the beats outpace** reads one bounded batch of beats a step
+(:meth:`dispatcher.beat_reads.BeatFollower.follow`) and places between them, falling ever
+further behind the beat stream: ``beat_lag_s`` at the end says by how much (the age of
+the last beat applied, by Redis' clock; a dispatcher that keeps up is within a read of
+now). Before the clock starts, the bench reads beats until it has caught up, for at most
+``undecided_wait_s``, then places whether or not it has (``caught_up_before``).
 
 No cluster-wide TTFT objective by default (``slo_ttft_ms=0``): ``ready`` is filled before
 the clock starts, so the tail of a large backlog waits for its head, and with an
@@ -41,6 +42,7 @@ from blockq.config import Settings
 from blockq.wire.connections import connect_async
 from blockq.wire.keys import GROUP_DISPATCH, PAYLOAD_FIELD, Keys
 from blockq.wire.protocol import Request, encode
+from dispatcher.policies.shortlist import DEFAULT_SIMULATED_CANDIDATES
 from dispatcher.service import (
     Dispatcher,
     DispatcherOptions,
@@ -51,7 +53,7 @@ from loadgen.benches.beating_fleet import EmulatedFleet
 from loadgen.benches.dispatch import make_request
 
 REDIS_CHUNK = 10_000  # commands per pipeline when filling ``ready`` and reading outcomes back
-WATCH_INTERVAL_S = 0.05  # how often the watch on a stretch of the run checks whether it is over
+WINDOW_S = 10.0  # the placements of each such stretch of a run are reported (was the rate sustained?)
 
 RequestFactory = Callable[[random.Random, Keys, float], Request]
 
@@ -81,55 +83,43 @@ class Stretch:
                 "beats_sent_per_s": (fleet.num_beats_sent - self.num_beats_sent) / seconds}
 
 
-async def _stop_fleet_when(fleet: EmulatedFleet, is_over: Callable[[], bool]) -> None:
-    """Stop the fleet's beats once ``is_over()``: a read of beats that outpace the
-    dispatcher ends only then (see the module docstring)."""
-    while not is_over():
-        await asyncio.sleep(WATCH_INTERVAL_S)
-    fleet.stop.set()
-
-
-async def _catch_up_with_beats(dispatcher: Dispatcher, fleet: EmulatedFleet, wait_s: float) -> bool:
-    """Apply the beats published so far. False when that took over ``wait_s``: the fleet
-    was stopped then, for the read to end."""
+async def _catch_up_with_beats(dispatcher: Dispatcher, wait_s: float) -> bool:
+    """Apply the beats published so far; False when that took over ``wait_s``."""
     deadline = time.perf_counter() + wait_s
-    watch = asyncio.create_task(_stop_fleet_when(fleet, lambda: time.perf_counter() > deadline))
-    try:
-        await dispatcher.follow_heartbeats()
-    finally:
-        watch.cancel()
-    return not fleet.stop.is_set()
+    while not await dispatcher.follow_heartbeats():
+        if time.perf_counter() > deadline:
+            return False
+    return True
 
 
-async def _place_until_decided(dispatcher: Dispatcher, fleet: EmulatedFleet, num_requests: int,
-                               undecided_wait_s: float, max_seconds: float | None) -> tuple[float, str]:
+async def _place_until_decided(dispatcher: Dispatcher, num_requests: int, undecided_wait_s: float,
+                               max_seconds: float | None) -> tuple[float, str, list[int]]:
     """Step ``dispatcher`` until ``num_requests`` are decided, none has been for
-    ``undecided_wait_s`` or ``max_seconds`` have passed (checked between steps, and by a
-    watch that stops the fleet for a step stuck on beats). Returns the seconds from the
-    first step to the last decision (with none, to the end), and why it ended."""
+    ``undecided_wait_s`` or ``max_seconds`` have passed (checked between steps: each reads
+    one bounded batch of beats). Returns the seconds from the first step to the last
+    decision (with none, to the end), why it ended, and the placements in each
+    :data:`WINDOW_S` of the run (whether a rate was sustained)."""
     started_at = last_decided_at = time.perf_counter()
     stop_at = started_at + (max_seconds if max_seconds is not None else float("inf"))
-    decided = 0
-
-    def is_over() -> bool:
+    decided, window_ends_at, placed_by_window = 0, started_at + WINDOW_S, [dispatcher.core.stats.num_placed]
+    while decided < num_requests:
         now = time.perf_counter()
-        return now >= stop_at or now - last_decided_at > undecided_wait_s
-
-    watch = asyncio.create_task(_stop_fleet_when(fleet, is_over))
-    try:
-        while decided < num_requests and not is_over():
-            await dispatcher.step()
-            if num_decided(dispatcher) > decided:
-                decided, last_decided_at = num_decided(dispatcher), time.perf_counter()
-    finally:
-        watch.cancel()
+        if now >= stop_at or now - last_decided_at > undecided_wait_s:
+            break
+        if now >= window_ends_at:
+            placed_by_window.append(dispatcher.core.stats.num_placed)
+            window_ends_at += WINDOW_S
+        await dispatcher.step()
+        if num_decided(dispatcher) > decided:
+            decided, last_decided_at = num_decided(dispatcher), time.perf_counter()
     if decided == num_requests:
         ended_by = "all decided"
     elif time.perf_counter() >= stop_at:
         ended_by = f"max_seconds ({max_seconds} s)"
     else:
         ended_by = f"none decided for {undecided_wait_s} s"
-    return (last_decided_at if decided else time.perf_counter()) - started_at, ended_by
+    windows = [b - a for a, b in zip(placed_by_window, placed_by_window[1:], strict=False)]
+    return (last_decided_at if decided else time.perf_counter()) - started_at, ended_by, windows
 
 
 async def _fill_ready(client: aioredis.Redis, keys: Keys, num_requests: int, rng: random.Random,
@@ -148,6 +138,13 @@ async def _fill_ready(client: aioredis.Redis, keys: Keys, num_requests: int, rng
         request_of_entry.update((entry_id.decode(), request_id) for entry_id, request_id
                                 in zip(entry_ids, request_ids, strict=True))
     return request_of_entry
+
+
+async def _beat_lag_s(client: aioredis.Redis, dispatcher: Dispatcher) -> float:
+    """How far behind the beat stream the dispatcher is: the age, by Redis' clock, of the
+    last beat it applied."""
+    seconds, microseconds = await client.time()
+    return max(0.0, seconds + microseconds / 1e6 - _entry_order(dispatcher.beats.last_beat_id)[0] / 1000)
 
 
 def _entry_order(entry_id: str) -> tuple[int, int]:
@@ -199,7 +196,8 @@ async def _delete_keys(client: aioredis.Redis, keys: Keys) -> None:
 async def bench_placements(redis_url: str, *, policy: str = "round_robin", instances: int = 16,
                            running: int = 48, waiting: int = 20, requests: int = 10_000, seed: int = 0,
                            slo_ttft_ms: int = 0, undecided_wait_s: float = 5.0, max_seconds: float | None = None,
-                           request_factory: RequestFactory = make_request) -> dict[str, Any]:
+                           request_factory: RequestFactory = make_request,
+                           simulated_candidates: int = DEFAULT_SIMULATED_CANDIDATES) -> dict[str, Any]:
     """Placements/s of a real dispatcher from ``ready`` to the instance queues, and every
     request's outcome (see the module docstring). Keys live under a fresh prefix, deleted
     at the end; the fleet's process is always stopped."""
@@ -208,26 +206,23 @@ async def bench_placements(redis_url: str, *, policy: str = "round_robin", insta
     keys = settings.keys
     client = connect_async(redis_url)
     dispatcher = create_dispatcher(client, settings, policy, dispatcher_id="bench", seed=seed,
-                                   options=DispatcherOptions(batch_size=256, dead_after_s=3600))
+                                   options=DispatcherOptions(batch_size=256, dead_after_s=3600,
+                                                             num_simulated_candidates=simulated_candidates))
     fleet: EmulatedFleet | None = None
     try:
         await dispatcher.consumer.ensure_group()
         fleet = await asyncio.to_thread(EmulatedFleet.start, redis_url, keys, instances, running, waiting, seed)
         stretch = Stretch.begin(dispatcher, fleet)
-        caught_up = await _catch_up_with_beats(dispatcher, fleet, undecided_wait_s)
+        caught_up = await _catch_up_with_beats(dispatcher, undecided_wait_s)
         prepare_for_decisions(dispatcher.core)
         request_of_entry = await _fill_ready(client, keys, requests, random.Random(seed + 1), request_factory)
-        if caught_up:  # with the beats of the start-up (compiling can take seconds), outside the window
-            stretch = Stretch.begin(dispatcher, fleet)
-            caught_up = await _catch_up_with_beats(dispatcher, fleet, undecided_wait_s)
-        if caught_up:
-            stretch = Stretch.begin(dispatcher, fleet)
-            elapsed_s, ended_by = await _place_until_decided(dispatcher, fleet, requests, undecided_wait_s,
-                                                             max_seconds)
-        else:
-            elapsed_s = time.perf_counter() - stretch.started_at
-            ended_by = f"beats outpace the dispatcher (not caught up with them in {undecided_wait_s} s)"
-        beat_rates = stretch.beat_rates(dispatcher, fleet)
+        # With the beats of the start-up (compiling can take seconds), outside the window.
+        caught_up = await _catch_up_with_beats(dispatcher, undecided_wait_s) and caught_up
+        stretch = Stretch.begin(dispatcher, fleet)
+        elapsed_s, ended_by, placed_by_window = await _place_until_decided(dispatcher, requests, undecided_wait_s,
+                                                                           max_seconds)
+        beat_rates = {**stretch.beat_rates(dispatcher, fleet), "beat_lag_s": await _beat_lag_s(client, dispatcher),
+                      "caught_up_before": caught_up, "placed_by_window": placed_by_window}
         if fleet.process.exitcode not in (None, 0):
             raise RuntimeError(f"dispatch-bench: the emulated fleet failed ({fleet.process.exitcode}) during the run")
         in_redis = await read_outcomes(client, keys, request_of_entry, [f"i{k}" for k in range(instances)])

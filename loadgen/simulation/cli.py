@@ -54,6 +54,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-ms", type=float, default=100.0, help="worker heartbeat period (wall-clock ms)")
     parser.add_argument("--heartbeat-delay-ms", type=float, default=SimulationConfig.heartbeat_delay_ms,
                         help="from a beat's publication to the dispatcher (wall-clock ms)")
+    parser.add_argument("--simulated-candidates", type=int, default=SimulationConfig.num_simulated_candidates,
+                        help="block/oracle: candidates simulated per decision at most, the shortlist "
+                             "(0: every live instance)")
     parser.add_argument("--decision-delay-ms", type=float, default=None,
                         help="one placement decision (wall-clock ms; default: the policy's measured cost)")
     parser.add_argument("--ingress-delay-ms", type=float, default=SimulationConfig.ingress_delay_ms,

@@ -71,7 +71,8 @@ class ClusterSimulation:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.core = DispatcherCore(config.policy, seed=config.seed, objective=config.objective,
-                                   slo_ttft_ms=config.slo_ttft_ms, forecast_check=config.forecast_check)
+                                   slo_ttft_ms=config.slo_ttft_ms, forecast_check=config.forecast_check,
+                                   num_simulated_candidates=config.num_simulated_candidates)
         self._rng = random.Random(config.seed)
         self._worker_options = WorkerOptions(bundle_size=config.bundle_size, idle_poll_ms=int(config.idle_poll_ms))
         self.instances: dict[str, SimulatedInstance] = {}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from blockq.forecast_check import ForecastCheckOptions
 from dispatcher.policies import policy_spec
+from dispatcher.policies.shortlist import DEFAULT_SIMULATED_CANDIDATES
 from dispatcher.what_if import DEFAULT_OBJECTIVE, OBJECTIVES
 
 # One placement decision, ms (p50 of `blockq dispatch-bench --instances 16 --running 48
@@ -56,7 +57,9 @@ class SimulationConfig:
     ``slow_hidden``: the time is lost after each step (a starved host) instead of in it, so
     the step timings the replicas refit from do not show it.
     ``forecast_check``: the dispatcher's per-instance forecast check and its fallback
-    (:mod:`blockq.forecast_check`).
+    (:mod:`blockq.forecast_check`). ``num_simulated_candidates``: the candidates a
+    simulating policy simulates per decision at most (0: every one;
+    :mod:`dispatcher.policies.shortlist`).
     ``cells``: the fleet of ``instances`` split evenly into this many cells, each with its
     own dispatcher, behind one front (:mod:`loadgen.simulation.multi_cell`); each cell's leader
     publishes its load every ``cell_load_interval_ms`` and the front reads the loads as
@@ -94,11 +97,14 @@ class SimulationConfig:
     cell_load_interval_ms: float = 250.0
     cell_stale_after_ms: float = 2000.0
     cell_choices: int = 0
+    num_simulated_candidates: int = DEFAULT_SIMULATED_CANDIDATES
 
     def __post_init__(self) -> None:
         policy_spec(self.policy)  # ValueError naming the valid policies
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective: must be one of {', '.join(OBJECTIVES)} (got {self.objective!r})")
+        if self.num_simulated_candidates < 0:
+            raise ValueError(f"num_simulated_candidates: must be >= 0 (got {self.num_simulated_candidates})")
         if self.instances < 1:
             raise ValueError(f"instances: must be >= 1 (got {self.instances})")
         if self.heartbeat_ms <= 0:

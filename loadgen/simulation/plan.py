@@ -82,7 +82,7 @@ class Plan:
             slow_hidden=args.slow_hidden,
             forecast_check=forecast_check_options_from_args(args), cells=args.cells,
             cell_load_interval_ms=args.cell_load_ms, cell_stale_after_ms=args.cell_stale_ms,
-            cell_choices=args.cell_choices)
+            cell_choices=args.cell_choices, num_simulated_candidates=args.simulated_candidates)
 
     def sample(self, seed: int, mae_tokens: float | None) -> AnnotatedSample:
         if mae_tokens is None:

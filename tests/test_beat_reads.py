@@ -1,0 +1,40 @@
+"""The leader's reads of the beat stream are bounded: one batch a step, so that it places
+between reads however fast the fleet beats (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+
+from blockq.config import Settings
+from blockq.wire.keys import PAYLOAD_FIELD
+from blockq.wire.protocol import encode
+from blockq.wire.streams import connect_async
+from dispatcher.beat_reads import READ_COUNT
+from dispatcher.service import Dispatcher, DispatcherOptions, create_dispatcher
+from tests.factories import make_heartbeat, make_request
+
+
+async def leader(settings: Settings) -> Dispatcher:
+    dispatcher = create_dispatcher(connect_async(settings.redis_url), settings, "round_robin", seed=1,
+                                   dispatcher_id="d-beats", options=DispatcherOptions())
+    await dispatcher.consumer.ensure_group()
+    assert await dispatcher.acquire_lease(asyncio.Event())
+    return dispatcher
+
+
+async def test_a_step_reads_one_batch_of_beats_and_still_places(settings: Settings,
+                                                                sync_redis: redis.Redis) -> None:
+    dispatcher = await leader(settings)
+    pipe = sync_redis.pipeline(transaction=False)
+    for k in range(READ_COUNT + 10):
+        pipe.xadd(settings.keys.heartbeats, {PAYLOAD_FIELD: encode(make_heartbeat(f"i{k:04d}"))})
+    pipe.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(make_request())})
+    pipe.execute()
+    assert await dispatcher.step() == 1  # placed on what the first batch of beats showed
+    assert dispatcher.core.stats.num_beats_applied == READ_COUNT
+    assert await dispatcher.follow_heartbeats() is True  # the rest: caught up
+    assert dispatcher.core.stats.num_beats_applied == READ_COUNT + 10
+    await dispatcher.release_lease()
+    await dispatcher.client.aclose()
