@@ -14,6 +14,7 @@ from blockq.wire.beats import (
 )
 from blockq.wire.protocol import Request
 from workers.engines.base import Engine, EngineStepOutput
+from workers.engines.kv_events import note_block_events
 from workers.refinement import RefinementSource, with_refinement
 
 MAX_STEP_SAMPLES = 64
@@ -39,16 +40,14 @@ class HeartbeatBuilder:
         self._samples: deque[tuple[int, int, int, float, int]] = deque(maxlen=MAX_STEP_SAMPLES)
         self._finished: deque[str] = deque(maxlen=MAX_FINISHED_IDS)
         self._finished_sizes: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED_IDS)
-        # Blocks cached and evicted since the last beat, each in one of them at most (its
-        # latest event), oldest first (dicts as ordered sets).
-        self._cached_blocks: dict[int, None] = {}
-        self._evicted_blocks: dict[int, None] = {}
+        # Blocks cached (True) and evicted (False) since the last beat: each block's latest event.
+        self._block_events: dict[int, bool] = {}
         self._deliveries_s: deque[float] = deque(maxlen=MAX_DELIVERY_SAMPLES)
 
     def record_step(self, output: EngineStepOutput) -> None:
         self._samples.extend(output.samples)
-        _move_blocks(output.cached_block_hashes, self._evicted_blocks, self._cached_blocks)
-        _move_blocks(output.evicted_block_hashes, self._cached_blocks, self._evicted_blocks)
+        note_block_events(self._block_events, output.cached_block_hashes, True, MAX_HEARTBEAT_CACHED_BLOCKS)
+        note_block_events(self._block_events, output.evicted_block_hashes, False, MAX_HEARTBEAT_CACHED_BLOCKS)
 
     def record_finished(self, request_id: str) -> None:
         self._finished.append(request_id)
@@ -84,25 +83,15 @@ class HeartbeatBuilder:
             finished_ids=tuple(self._finished), finished_sizes=tuple(self._finished_sizes), step_samples=tuple(self._samples),
             lag_p99_ms=lag_p99_ms, lag_mean_ms=lag_mean_ms, time_scale=self.engine.time_scale, engine_stats=self.engine.engine_stats(),
             truncated=len(running) > MAX_HEARTBEAT_REQUESTS or len(waiting) > MAX_HEARTBEAT_REQUESTS,
-            cached_block_hashes=tuple(self._cached_blocks), evicted_block_hashes=tuple(self._evicted_blocks),
+            cached_block_hashes=tuple(h for h, cached in self._block_events.items() if cached),
+            evicted_block_hashes=tuple(h for h, cached in self._block_events.items() if not cached),
             delivery_p90_ms=delivery_p90_ms)
         self._samples.clear()
         self._finished.clear()
         self._finished_sizes.clear()
-        self._cached_blocks.clear()
-        self._evicted_blocks.clear()
+        self._block_events.clear()
         return beat
 
-
-def _move_blocks(block_hashes: Iterable[int], source: dict[int, None], into: dict[int, None]) -> None:
-    """Note ``block_hashes``' latest event: out of ``source``, last into ``into``, which keeps
-    the newest :data:`MAX_HEARTBEAT_CACHED_BLOCKS` (a beat's limit)."""
-    for block_hash in block_hashes:
-        source.pop(block_hash, None)
-        into.pop(block_hash, None)
-        into[block_hash] = None
-    while len(into) > MAX_HEARTBEAT_CACHED_BLOCKS:
-        del into[next(iter(into))]
 
 
 def _refined(progress: list[RequestProgress], source: RefinementSource) -> list[RequestProgress]:

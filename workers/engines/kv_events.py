@@ -63,12 +63,12 @@ class KvEventMirror:
                 continue
             kind = event.get("type")
             if kind == "BlockStored":
-                _note(into, self._stored(event), True)
+                note_block_events(into, self._stored(event), True)
             elif kind == "BlockRemoved" and event.get("medium") in ENGINE_MEDIA:
-                _note(into, [ours for vllm_hash in _hash_list(event.get("block_hashes"))
-                             if (ours := self._ours.pop(vllm_hash, None)) is not None], False)
+                note_block_events(into, [ours for vllm_hash in _hash_list(event.get("block_hashes"))
+                                         if (ours := self._ours.pop(vllm_hash, None)) is not None], False)
             elif kind == "AllBlocksCleared":
-                _note(into, list(self._ours.values()), False)
+                note_block_events(into, list(self._ours.values()), False)
                 self._ours.clear()
 
     def _stored(self, event: Mapping[str, Any]) -> list[int]:
@@ -92,10 +92,16 @@ class KvEventMirror:
         return list(ours)
 
 
-def _note(into: dict[int, bool], block_hashes: Iterable[int], cached: bool) -> None:
+def note_block_events(into: dict[int, bool], block_hashes: Iterable[int], cached: bool,
+                      max_blocks: int | None = None) -> None:
+    """Note in ``into`` (block hash -> cached, oldest event first) that ``block_hashes``
+    were cached (True) or evicted (False): each block's latest event only, at most the
+    newest ``max_blocks`` (None: all)."""
     for block_hash in block_hashes:
         into.pop(block_hash, None)
         into[block_hash] = cached
+    while max_blocks is not None and len(into) > max_blocks:
+        del into[next(iter(into))]
 
 
 def _hash_list(value: Any) -> list[Any]:
