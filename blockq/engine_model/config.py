@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+# How the GPUs of one tensor-parallel instance talk: "none" for one GPU.
+INTERCONNECTS = ("none", "pcie", "nvlink")
+MAX_GPU_NAME_CHARS = 32
+MAX_TENSOR_PARALLEL_SIZE = 64
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -26,6 +31,15 @@ class EngineConfig:
       while other requests are running or waiting (vLLM's; 0 = no cap); at most
       ``max_model_len``.
 
+    The instance's hardware, published with every beat so that a policy can tell GPUs
+    apart (``dispatcher.policies.hardware``); the scheduler does not read them:
+
+    * ``gpu``: the GPU type (``a30``, ``a100``, ``h100``; "" when unknown).
+    * ``tensor_parallel_size``: GPUs the model is sharded over (vLLM's
+      ``--tensor-parallel-size``); ``num_gpu_blocks`` counts the blocks of all of them.
+    * ``interconnect``: how they exchange activations (:data:`INTERCONNECTS`; ``none``
+      for one GPU).
+
     Raises:
         ValueError: naming the field and its limit, when a value is out of range.
     """
@@ -38,8 +52,12 @@ class EngineConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = False
     long_prefill_token_threshold: int = 0
+    gpu: str = ""
+    tensor_parallel_size: int = 1
+    interconnect: str = "none"
 
     def __post_init__(self) -> None:
+        self._check_hardware()
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_model_len"):
             value = getattr(self, name)
@@ -71,6 +89,23 @@ class EngineConfig:
                 f"max_model_len: {self.max_model_len} tokens need {max_request_blocks} blocks, "
                 f"more than the {usable_blocks} usable beside the watermark; "
                 f"must be <= {usable_blocks * self.block_size}")
+
+    def _check_hardware(self) -> None:
+        if not isinstance(self.gpu, str) or len(self.gpu) > MAX_GPU_NAME_CHARS:
+            raise ValueError(f"gpu: must be a string of at most {MAX_GPU_NAME_CHARS} characters "
+                             f"(got {self.gpu!r})")
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(f"tensor_parallel_size: must be an int in [1, {MAX_TENSOR_PARALLEL_SIZE}] "
+                             f"(got {size!r})")
+        if self.interconnect not in INTERCONNECTS:
+            raise ValueError(f"interconnect: must be one of {', '.join(INTERCONNECTS)} "
+                             f"(got {self.interconnect!r})")
+
+    @property
+    def has_nvlink(self) -> bool:
+        """Whether the instance's GPUs exchange activations over NVLink."""
+        return self.interconnect == "nvlink"
 
     @property
     def watermark_blocks(self) -> int:

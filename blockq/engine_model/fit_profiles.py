@@ -27,7 +27,14 @@ What each figure is, and where it comes from:
   Llama-2-7B's 32 query heads and 32 layers, and to the A100 / H100 by their dense FP16
   tensor throughput relative to the A30.
 * **Per-step overhead**: the calibrated fixed attention cost of 32 layers plus one read of
-  the LM-head weights. The CPU-side scheduling overhead of a real engine is not in these
+  the LM-head weights.
+* **Tensor parallel** (entries ``a100-tp2``, ``h100-tp4``, ...: :data:`TENSOR_PARALLEL_SIZES`):
+  the linear table from the same file's rows at that ``num_tensor_parallel_workers`` (the
+  per-GPU time of the sharded operators); attention heads and the LM head are sharded too,
+  so ``kv_token_s``, ``prefill_pair_s`` and the LM-head read are divided by the degree and
+  the fixed per-layer attention cost is kept. The profiles hold no communication: the
+  all-reduces are added from the interconnect's bandwidth when the presets are built
+  (:mod:`blockq.engine_model.tensor_parallel`). The CPU-side scheduling overhead of a real engine is not in these
   profiles; the online refit (:meth:`StepLatencyModel.refit`) absorbs it.
 """
 
@@ -82,6 +89,8 @@ MLP_PROFILE_PATHS: dict[str, str] = {
     "h100": "vidur/compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv",
 }
 ATTENTION_PROFILE_PATH = "block-a30/Qwen-2-7B/attention.csv"
+# Tensor-parallel degrees fitted beside tensor-parallel 1, per GPU with Vidur's TP rows.
+TENSOR_PARALLEL_SIZES: dict[str, tuple[int, ...]] = {"a100": (2, 4), "h100": (2, 4)}
 CALIBRATION_GPU = "a30"
 
 
@@ -108,15 +117,15 @@ class AttentionCalibration:
 # --- linear layers ------------------------------------------------------------------
 
 
-def read_operator_medians(path: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Per-layer median milliseconds per operator at tensor-parallel 1, by token count.
+def read_operator_medians(path: Path, tensor_parallel: int = 1) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Per-layer median milliseconds per operator at ``tensor_parallel`` (per GPU), by token count.
 
     Rows repeated for one token count are averaged; blank cells become NaN.
     """
     sums: dict[int, dict[str, list[float]]] = {}
     with path.open(newline="") as handle:
         for row in csv.DictReader(handle):
-            if int(row["num_tensor_parallel_workers"]) != 1:
+            if int(row["num_tensor_parallel_workers"]) != tensor_parallel:
                 continue
             by_operator = sums.setdefault(int(row["num_tokens"]), {op: [] for op in PER_LAYER_OPERATORS})
             for op in PER_LAYER_OPERATORS:
@@ -142,9 +151,9 @@ def find_bad_cells(values_ms: np.ndarray) -> np.ndarray:
     return bad
 
 
-def load_linear_layer_profile(path: Path) -> LinearLayerProfile:
+def load_linear_layer_profile(path: Path, tensor_parallel: int = 1) -> LinearLayerProfile:
     """Clean every operator (interpolating bad cells) and sum them into a step time."""
-    tokens, medians = read_operator_medians(path)
+    tokens, medians = read_operator_medians(path, tensor_parallel)
     total_ms = np.zeros(len(tokens))
     num_bad_cells = 0
     for op, values in medians.items():
@@ -254,9 +263,12 @@ def _round(value: float, digits: int = 6) -> float:
 
 
 def build_gpu_profile(
-    gpu: str, linear: LinearLayerProfile, attention: AttentionCalibration,
+    gpu: str, linear: LinearLayerProfile, attention: AttentionCalibration, tensor_parallel: int = 1,
 ) -> dict[str, object]:
-    """One GPU's entry of profiles.json: the latency model's dict plus fit diagnostics."""
+    """One GPU's entry of profiles.json: the latency model's dict plus fit diagnostics.
+
+    At ``tensor_parallel`` > 1 the attention and the LM-head read are split over the GPUs
+    (heads and vocabulary are sharded); communication is not included."""
     spec = GPU_SPECS[gpu]
     calibration_spec = GPU_SPECS[CALIBRATION_GPU]
     knots, knot_ms = fit_piecewise_linear(linear.tokens, linear.step_ms)
@@ -264,9 +276,10 @@ def build_gpu_profile(
     rel_error = np.abs(fitted_ms / linear.step_ms - 1.0)
     effective_bytes_per_s = spec.hbm_tb_s * 1e12 * attention.decode_bandwidth_efficiency
     compute_speedup = spec.fp16_dense_tflops / calibration_spec.fp16_dense_tflops
-    prefill_pair_s = attention.prefill_ms_per_pair_per_layer * 1e-3 * NUM_LAYERS / compute_speedup
+    prefill_pair_s = (attention.prefill_ms_per_pair_per_layer * 1e-3 * NUM_LAYERS
+                      / compute_speedup / tensor_parallel)
     step_overhead_s = (attention.decode_fixed_ms_per_layer * 1e-3 * NUM_LAYERS
-                       + LM_HEAD_BYTES / (spec.hbm_tb_s * 1e12))
+                       + LM_HEAD_BYTES / tensor_parallel / (spec.hbm_tb_s * 1e12))
     check_tokens = [n for n in CHECK_POINT_TOKENS if n in set(linear.tokens.tolist())]
     check_ms = [float(linear.step_ms[linear.tokens.tolist().index(n)]) for n in check_tokens]
     return {
@@ -274,13 +287,14 @@ def build_gpu_profile(
             "linear_knot_tokens": [int(k) for k in knots],
             "linear_knot_s": [_round(v * 1e-3) for v in knot_ms],
             "linear_scale": 1.0,
-            "kv_token_s": _round(KV_BYTES_PER_TOKEN / effective_bytes_per_s),
+            "kv_token_s": _round(KV_BYTES_PER_TOKEN / tensor_parallel / effective_bytes_per_s),
             "prefill_pair_s": _round(prefill_pair_s),
             "step_overhead_s": _round(step_overhead_s),
         },
         "hbm_tb_s": spec.hbm_tb_s,
         "fp16_dense_tflops": spec.fp16_dense_tflops,
         "source": MLP_PROFILE_PATHS[gpu],
+        "tensor_parallel_size": tensor_parallel,
         "fit": {
             "linear_median_rel_error": _round(float(np.median(rel_error)), 3),
             "linear_p90_rel_error": _round(float(np.percentile(rel_error, 90)), 3),
@@ -297,6 +311,10 @@ def build_profiles(data_dir: Path) -> dict[str, object]:
                                     GPU_SPECS[CALIBRATION_GPU].hbm_tb_s)
     gpus = {gpu: build_gpu_profile(gpu, load_linear_layer_profile(data_dir / path), attention)
             for gpu, path in MLP_PROFILE_PATHS.items()}
+    for gpu, sizes in TENSOR_PARALLEL_SIZES.items():
+        for size in sizes:
+            linear = load_linear_layer_profile(data_dir / MLP_PROFILE_PATHS[gpu], size)
+            gpus[f"{gpu}-tp{size}"] = build_gpu_profile(gpu, linear, attention, size)
     return {
         "format": 1,
         "model": "Llama-2-7b-hf",

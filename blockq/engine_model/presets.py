@@ -45,6 +45,10 @@ trace, median 6.9k):
 
   The online refit (:meth:`StepLatencyModel.refit`) corrects all four from real step
   timings.
+
+Tensor-parallel presets (``llama2-7b-a100-tp2`` ... ``llama2-7b-h100-tp4``, and ``-pcie``
+variants): :mod:`blockq.engine_model.tensor_parallel`. Every preset's config names its
+hardware (``gpu``, ``tensor_parallel_size``, ``interconnect``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from typing import Any
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.measured_profile import load_profile
+from blockq.engine_model.tensor_parallel import TENSOR_PARALLEL_PRESET_SIZES, tensor_parallel_presets
 
 _GIB = 1024**3
 _FP16_BYTES = 2
@@ -176,14 +181,19 @@ def _build_presets() -> dict[str, EnginePreset]:
     gpus = load_profiles()["gpus"]
     num_blocks_80gib = kv_blocks_for_gpu_memory(80.0)
     gpu_to_config = {
-        "a30": EngineConfig(num_gpu_blocks=1052),
-        "a100": EngineConfig(num_gpu_blocks=num_blocks_80gib),
-        "h100": EngineConfig(num_gpu_blocks=num_blocks_80gib),
+        "a30": EngineConfig(num_gpu_blocks=1052, gpu="a30"),
+        "a100": EngineConfig(num_gpu_blocks=num_blocks_80gib, gpu="a100"),
+        "h100": EngineConfig(num_gpu_blocks=num_blocks_80gib, gpu="h100"),
     }
     presets = {}
     for gpu, config in gpu_to_config.items():
         name = f"llama2-7b-{gpu}"
         model = StepLatencyModel.from_dict(gpus[gpu]["latency_model"])
+        presets[name] = EnginePreset(name=name, config=config, latency_model=model)
+    # The weights once over all GPUs, the activation reserve once per GPU.
+    num_blocks = {size: kv_blocks_for_gpu_memory(80.0 * size, reserve_gib=1.0 * size)
+                  for size in TENSOR_PARALLEL_PRESET_SIZES}
+    for name, (config, model) in tensor_parallel_presets(gpus, gpu_to_config, num_blocks).items():
         presets[name] = EnginePreset(name=name, config=config, latency_model=model)
     presets["llama3-8b-h100"] = EnginePreset(
         name="llama3-8b-h100",

@@ -10,7 +10,7 @@ from itertools import chain
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from blockq.engine_model.config import EngineConfig
+from blockq.engine_model.config import INTERCONNECTS, MAX_GPU_NAME_CHARS, EngineConfig
 from blockq.engine_model.latency import check_latency_model_dict
 from blockq.wire.health import REPORTED_STATES
 from blockq.wire.protocol import (
@@ -28,6 +28,7 @@ MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
 # requests; past this the oldest are dropped (the dispatcher then predicts fewer hits).
 MAX_HEARTBEAT_CACHED_BLOCKS = 4096
 MAX_REQUEST_ID_CHARS = 256
+MAX_HARDWARE_NAME_CHARS = MAX_GPU_NAME_CHARS
 
 
 class RequestProgress(NamedTuple):
@@ -331,13 +332,18 @@ def _check_engine_model(data: Mapping[str, Any]) -> None:
         default = spec.default
         if isinstance(default, bool):
             ok = isinstance(value, bool)
+        elif isinstance(default, str):  # the hardware's names
+            ok = isinstance(value, str) and len(value) <= MAX_HARDWARE_NAME_CHARS
         elif isinstance(default, int):  # counts and sizes: 2**31 is far past any engine's
             ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
         else:
             ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if spec.name == "interconnect" and value not in INTERCONNECTS:
+            raise ValidationError("engine_config", f"interconnect: must be one of "
+                                                   f"{', '.join(INTERCONNECTS)} (got {value!r:.80})")
         if not ok:
             raise ValidationError("engine_config", f"{spec.name}: must be a finite "
-                                                   f"{type(default).__name__} (got {value!r})")
+                                                   f"{type(default).__name__} (got {value!r:.80})")
     latency = field_of(data, "latency_model", dict, required=False)
     if latency is not None:
         try:

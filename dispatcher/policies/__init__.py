@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dispatcher.cluster_view import ClusterView
 from dispatcher.policies.base import Decision, Policy, PolicyOptions
+from dispatcher.policies.hardware import Topology, WeightedLeastRequests
 from dispatcher.policies.load import LeastKv, Llumnix
 from dispatcher.policies.predictive import Block, BlockKvGuard, Oracle, PowerOfTwo
 from dispatcher.policies.prefix import PrefixAffinity
@@ -40,6 +41,8 @@ POLICIES: dict[str, PolicySpec] = {
     "least_requests": PolicySpec(lambda view, rng, options: LeastRequests(rng)),
     "least_kv": PolicySpec(lambda view, rng, options: LeastKv(rng)),
     "llumnix": PolicySpec(lambda view, rng, options: Llumnix(rng)),
+    "weighted_least_requests": PolicySpec(lambda view, rng, options: WeightedLeastRequests(rng)),
+    "topology": PolicySpec(lambda view, rng, options: Topology(rng)),
     "prefix_affinity": PolicySpec(lambda view, rng, options: PrefixAffinity(rng)),
     "power_of_two": PolicySpec(PowerOfTwo, simulates=True),
     "block": PolicySpec(Block, simulates=True),

@@ -93,12 +93,12 @@ class ClusterSimulation:
         """A new instance whose worker beats from ``up_at_s`` on (its engine started)."""
         config = self.config
         overrides = (("enable_prefix_caching", True),) if config.prefix_caching else ()
-        options = EmulatedEngineOptions(preset=config.preset, noise_sigma=config.noise_sigma, stream_tokens=False,
-                                        time_scale=config.time_scale, seed=self._rng.randrange(2**31),
-                                        config_overrides=overrides)
+        index = len(self.instances)
+        options = EmulatedEngineOptions(preset=config.preset_of(index), noise_sigma=config.noise_sigma,
+                                        stream_tokens=False, time_scale=config.time_scale,
+                                        seed=self._rng.randrange(2**31), config_overrides=overrides)
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instance's wall clock
         # The last slow_instances of the first fleet are slow (not gpu0: a long-prompt lane).
-        index = len(self.instances)
         slow = config.instances - config.slow_instances <= index < config.instances
         instance = self.instances[instance_id] = SimulatedInstance.create(
             instance_id, options, self._worker_options, clock, self.refinements,

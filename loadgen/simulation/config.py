@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from blockq.engine_model.fleet_spec import FleetSpec
 from blockq.forecast_check import ForecastCheckOptions
 from dispatcher.policies import policy_spec
 from dispatcher.policies.shortlist import DEFAULT_SIMULATED_CANDIDATES
@@ -65,6 +66,9 @@ class SimulationConfig:
     publishes its load every ``cell_load_interval_ms`` and the front reads the loads as
     often; ``cell_stale_after_ms`` and ``cell_choices`` as ``BLOCKQ_CELL_STALE_MS`` and
     ``BLOCKQ_CELL_CHOICES``.
+    ``fleet``: a mixed fleet (:mod:`blockq.engine_model.fleet_spec`), instance ``i`` running
+    the preset of its group; ``instances`` must be its size and ``preset`` is unused (None:
+    ``instances`` of ``preset``).
     """
 
     instances: int = 12
@@ -98,6 +102,7 @@ class SimulationConfig:
     cell_stale_after_ms: float = 2000.0
     cell_choices: int = 0
     num_simulated_candidates: int = DEFAULT_SIMULATED_CANDIDATES
+    fleet: FleetSpec | None = None
 
     def __post_init__(self) -> None:
         policy_spec(self.policy)  # ValueError naming the valid policies
@@ -127,10 +132,18 @@ class SimulationConfig:
         if self.cells < 1 or self.instances % self.cells:
             raise ValueError(f"cells: must be >= 1 and divide instances (got {self.cells} cells, "
                              f"{self.instances} instances)")
+        if self.fleet is not None and self.fleet.num_instances != self.instances:
+            raise ValueError(f"fleet: {self.fleet.num_instances} instances, but instances is {self.instances}")
+        if self.fleet is not None and self.cells > 1:
+            raise ValueError("fleet: a mixed fleet runs as one cell (got cells > 1)")
         if self.cell_load_interval_ms <= 0:
             raise ValueError(f"cell_load_interval_ms: must be > 0 (got {self.cell_load_interval_ms})")
         if not 0 < self.slow_factor <= 100:
             raise ValueError(f"slow_factor: must be in (0, 100] (got {self.slow_factor})")
+
+    def preset_of(self, index: int) -> str:
+        """The engine preset of the ``index``-th instance started."""
+        return self.fleet.preset_of(index) if self.fleet is not None else self.preset
 
     @property
     def decision_s(self) -> float:

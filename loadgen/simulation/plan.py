@@ -70,8 +70,10 @@ class Plan:
 
     def config(self, policy: str, seed: int) -> SimulationConfig:
         args = self.args
+        fleet = getattr(args, "fleet", None)
         return SimulationConfig(
-            instances=args.instances, preset=args.preset, policy=policy, objective=args.objective or DEFAULT_OBJECTIVE,
+            instances=fleet.num_instances if fleet is not None else args.instances, fleet=fleet,
+            preset=args.preset, policy=policy, objective=args.objective or DEFAULT_OBJECTIVE,
             seed=seed, heartbeat_ms=args.heartbeat_ms, heartbeat_delay_ms=args.heartbeat_delay_ms,
             decision_delay_ms=args.decision_delay_ms, ingress_delay_ms=args.ingress_delay_ms,
             ingress_delay_sigma=args.ingress_delay_sigma,
@@ -116,7 +118,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     seeds = args.seeds or (args.seed,)
     samples = {}
     # The trace's length policy is the engines': a long-context preset keeps long prompts.
-    max_model_len = get_preset(args.preset).config.max_model_len
+    fleet = getattr(args, "fleet", None)
+    max_model_len = fleet.min_max_model_len if fleet is not None else get_preset(args.preset).config.max_model_len
     for seed in seeds:
         trace_requests = sample_trace(args.trace, args.requests, seed, redraw=args.seeds is not None,
                                       multi_turn=args.multi_turn, max_model_len=max_model_len)

@@ -61,7 +61,8 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
     duration_s = max(0.0, result.end_s - origin_s) / config.time_scale
     summary = summarize(records, duration_s=duration_s, kv_samples=result.kv_samples,
                         delivery_samples_ms=result.delivery_samples_ms, slo_ttft_ms=config.slo_ttft_ms)
-    summary.update(policy=config.policy, rate=rate_per_s, instances=config.instances, preset=config.preset,
+    summary.update(policy=config.policy, rate=rate_per_s, instances=config.instances,
+                   preset=str(config.fleet) if config.fleet is not None else config.preset,
                    seed=sample.seed, time_scale=config.time_scale, mode="simulated", events=result.counters["events"],
                    steps=result.counters["steps"], beats_rejected=result.counters["beats_rejected"],
                    **_prefix_hit_rates(config, result.counters, simulation.cores, [r for _, r in arrivals]))
