@@ -62,7 +62,10 @@ from typing import Any
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.measured_profile import load_profile
-from blockq.engine_model.tensor_parallel import TENSOR_PARALLEL_PRESET_SIZES, tensor_parallel_presets
+from blockq.engine_model.tensor_parallel import (
+    TENSOR_PARALLEL_PRESET_SIZES,
+    tensor_parallel_presets,
+)
 
 _GIB = 1024**3
 _FP16_BYTES = 2
