@@ -34,8 +34,10 @@ def test_invalid_values_name_the_field(fields: dict, named: str) -> None:
 
 
 def test_presets_and_overrides() -> None:
-    assert set(PRESETS) == {"llama2-7b-a30", "llama2-7b-a100", "llama2-7b-h100", "llama3-8b-h100"}
-    assert get_preset("llama2-7b-a30").config == EngineConfig()
+    assert set(PRESETS) == {"llama2-7b-a30", "llama2-7b-a100", "llama2-7b-h100", "llama3-8b-h100",
+                            *(f"llama2-7b-{gpu}-tp{size}{link}" for gpu in ("a100", "h100") for size in (2, 4)
+                              for link in ("", "-pcie"))}
+    assert get_preset("llama2-7b-a30").config == EngineConfig(gpu="a30")
     assert get_preset("llama2-7b-a100").config.num_gpu_blocks == kv_blocks_for_gpu_memory(80.0) == 7481
     preset = get_preset("llama2-7b-h100", max_num_seqs=24, max_num_batched_tokens=2048)
     assert (preset.config.max_num_seqs, preset.config.max_num_batched_tokens) == (24, 2048)

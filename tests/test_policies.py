@@ -39,7 +39,8 @@ def choose(name: str, view: ClusterView, request=None, seed: int = 0) -> str:  #
 
 def test_registry_lists_every_policy() -> None:
     assert set(POLICIES) == {"round_robin", "random", "least_requests", "least_kv", "llumnix", "prefix_affinity",
-                                     "power_of_two", "block", "block_kv_guard", "oracle"}
+                                     "power_of_two", "block", "block_kv_guard", "oracle",
+                             "topology", "weighted_least_requests"}
     with pytest.raises(ValueError, match="policy: unknown 'nope'"):
         make_policy("nope")
 

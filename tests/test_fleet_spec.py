@@ -1,0 +1,106 @@
+"""Mixed fleets: the spec parser, the tensor-parallel presets, hardware in the beat, the
+simulation's per-instance presets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from blockq.engine_model import get_preset, kv_blocks_for_gpu_memory
+from blockq.engine_model.config import EngineConfig
+from blockq.engine_model.fleet_spec import FleetGroup, parse_fleet
+from blockq.engine_model.tensor_parallel import LINKS, all_reduce_seconds_per_token
+from blockq.wire.beats import HeartbeatDecoder, decode_heartbeat
+from blockq.wire.protocol import ValidationError, encode
+from loadgen.simulation.cluster import ClusterSimulation
+from loadgen.simulation.config import SimulationConfig
+from tests.factories import make_heartbeat
+
+
+def test_fleet_spec_parses_groups_in_order() -> None:
+    fleet = parse_fleet("6:llama2-7b-a30, 4:llama2-7b-a100,llama2-7b-h100-tp2")
+    assert fleet.groups == (FleetGroup(6, "llama2-7b-a30"), FleetGroup(4, "llama2-7b-a100"),
+                            FleetGroup(1, "llama2-7b-h100-tp2"))
+    assert fleet.num_instances == 11
+    assert fleet.instance_presets[5:7] == ("llama2-7b-a30", "llama2-7b-a100")
+    assert fleet.preset_of(10) == fleet.preset_of(99) == "llama2-7b-h100-tp2"
+    assert str(fleet) == "6:llama2-7b-a30,4:llama2-7b-a100,1:llama2-7b-h100-tp2"
+    assert fleet.min_max_model_len == 4096
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("", r"^fleet: must be COUNT:PRESET"),
+    ("x:llama2-7b-a30", r"^fleet: group 1 \('x:llama2-7b-a30'\): count: must be an integer"),
+    ("2:llama2-7b-a30,0:llama2-7b-a100", r"^fleet: group 2 \('0:llama2-7b-a100'\): count: must be >= 1"),
+    ("2:llama2-7b-a30,3:", r"^fleet: group 2 \('3:'\): preset: missing"),
+    ("2:llama2-7b-a30,3:nope", r"^fleet: group 2 \('3:nope'\): preset: unknown 'nope'"),
+    ("2:llama2-7b-a30,,", r"^fleet: group 2 \(''\): empty"),
+    ("5000:llama2-7b-a30", r"^fleet: at most 4096 instances"),
+])
+def test_fleet_spec_errors_name_the_field(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_fleet(spec)
+
+
+@pytest.mark.parametrize("gpu", ["a100", "h100"])
+def test_tensor_parallel_presets_pool_the_gpus_memory(gpu: str) -> None:
+    one, two, four = (get_preset(f"llama2-7b-{gpu}{suffix}") for suffix in ("", "-tp2", "-tp4"))
+    assert two.config.num_gpu_blocks == kv_blocks_for_gpu_memory(160.0, reserve_gib=2.0) == 16_569
+    assert four.config.num_gpu_blocks == kv_blocks_for_gpu_memory(320.0, reserve_gib=4.0) == 34_745
+    # the weights are stored once: two GPUs hold more than twice one GPU's KV cache
+    assert two.config.num_gpu_blocks > 2 * one.config.num_gpu_blocks
+    assert (one.config.tensor_parallel_size, two.config.tensor_parallel_size, four.config.tensor_parallel_size) \
+        == (1, 2, 4)
+    assert (one.config.interconnect, two.config.interconnect) == ("none", "nvlink")
+    assert {one.config.gpu, two.config.gpu, four.config.gpu} == {gpu}
+    assert get_preset(f"llama2-7b-{gpu}-tp2-pcie").config.interconnect == "pcie"
+
+
+@pytest.mark.parametrize("gpu", ["a100", "h100"])
+@pytest.mark.parametrize("batch", [(0, 1, 512), (0, 48, 48 * 600), (512, 0, 512), (256, 32, 32 * 400 + 256)])
+def test_latency_falls_with_the_tensor_parallel_degree(gpu: str, batch: tuple[int, int, int]) -> None:
+    seconds = [get_preset(f"llama2-7b-{gpu}{suffix}").latency_model.step_seconds(*batch)
+               for suffix in ("", "-tp2", "-tp4")]
+    assert seconds[0] > seconds[1] > seconds[2]
+    # PCIe's all-reduces cost more than NVLink's
+    nvlink = get_preset(f"llama2-7b-{gpu}-tp2").latency_model.step_seconds(*batch)
+    assert get_preset(f"llama2-7b-{gpu}-tp2-pcie").latency_model.step_seconds(*batch) > nvlink
+
+
+def test_communication_is_the_ring_all_reduce_of_the_hidden_state() -> None:
+    link = LINKS[("a100", "nvlink")]
+    # 65 all-reduces x 2 (p-1)/p x 8,192 bytes per token over 240 GB/s
+    assert all_reduce_seconds_per_token(link, 2) == pytest.approx(65 * 8192 / 240e9)
+    assert all_reduce_seconds_per_token(link, 4) == pytest.approx(65 * 1.5 * 8192 / 240e9)
+
+
+def test_engine_config_validates_the_hardware() -> None:
+    with pytest.raises(ValueError, match="^interconnect: must be one of none, pcie, nvlink"):
+        EngineConfig(interconnect="infiniband")
+    with pytest.raises(ValueError, match="^tensor_parallel_size: must be an int in"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="^gpu: must be a string"):
+        EngineConfig(gpu="x" * 100)
+    assert EngineConfig(interconnect="nvlink").has_nvlink
+
+
+def test_hardware_travels_in_the_beat() -> None:
+    beat = make_heartbeat("gpu0")
+    config = get_preset("llama2-7b-h100-tp2").config.to_dict()
+    beat = dataclasses.replace(beat, engine_config=config)
+    decoded = HeartbeatDecoder().decode(encode(beat))
+    hardware = EngineConfig.from_dict(decoded.engine_config)
+    assert (hardware.gpu, hardware.tensor_parallel_size, hardware.interconnect) == ("h100", 2, "nvlink")
+    bad = dataclasses.replace(beat, engine_config={**config, "interconnect": "smoke"})
+    with pytest.raises(ValidationError, match="interconnect: must be one of"):
+        decode_heartbeat(encode(bad))
+
+
+def test_simulation_starts_each_instance_with_its_groups_preset() -> None:
+    fleet = parse_fleet("2:llama2-7b-a30,1:llama2-7b-h100-tp2")
+    simulation = ClusterSimulation(SimulationConfig(instances=3, fleet=fleet, policy="block"))
+    presets = [instance.engine.preset for instance in simulation.instances.values()]
+    assert presets == ["llama2-7b-a30", "llama2-7b-a30", "llama2-7b-h100-tp2"]
+    with pytest.raises(ValueError, match="^fleet: 3 instances, but instances is 12"):
+        SimulationConfig(fleet=fleet)
