@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from blockq.config import add_refine_arguments
+from blockq.engine_model.fleet_spec import FleetSpec, parse_fleet
 from loadgen.arrivals import DEFAULT_THINK_TIME_S
 from loadgen.benches.live import BenchConfig, load_requests, run_bench, run_one
 from loadgen.progress import run_progress_printer
@@ -24,6 +25,13 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _seeds(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _fleet(text: str) -> FleetSpec:
+    try:
+        return parse_fleet(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -45,6 +53,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
                              "streams) behind one front that routes by their published loads (default 1)")
     parser.add_argument("--preset", "--profile", dest="preset", default="llama2-7b-a30",
                         help="engine preset, or a measured PROFILE.json (blockq profile)")
+    parser.add_argument("--fleet", type=_fleet, default=None, metavar="COUNT:PRESET[,...]",
+                        help="a mixed fleet, e.g. 6:llama2-7b-a30,3:llama2-7b-a100 (replaces --instances and "
+                             "--preset; instances numbered group by group)")
     parser.add_argument("--policies", type=_names, default=("round_robin", "llumnix", "block", "oracle"))
     parser.add_argument("--rates", type=_floats, default=(20.0, 24.0, 28.0, 32.0), help="requests/s (model time)")
     parser.add_argument("--requests", type=int, default=2000)
@@ -119,7 +130,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         seeds=args.seeds or (), engine=getattr(args, "engine", "emulated"), engine_flags=_engine_flags(args),
         max_model_len=getattr(args, "vllm_max_model_len", None),
-        trace=args.trace, instances=args.instances, instances_per_process=args.instances_per_process,
+        trace=args.trace, instances=args.fleet.num_instances if args.fleet else args.instances, fleet=args.fleet,
+        instances_per_process=args.instances_per_process,
         cells=args.cells,
         preset=args.preset, policies=args.policies, rates=args.rates, requests=args.requests, seed=args.seed,
         burstiness=args.burstiness, use_trace_times=args.trace_times, time_scale=args.time_scale,

@@ -3,16 +3,20 @@ simulation's per-instance presets."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
 
+from blockq.config import ConfigError
 from blockq.engine_model import get_preset, kv_blocks_for_gpu_memory
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.fleet_spec import FleetGroup, parse_fleet
 from blockq.engine_model.tensor_parallel import LINKS, all_reduce_seconds_per_token
+from blockq.local.cluster_config import ClusterConfig
 from blockq.wire.beats import HeartbeatDecoder, decode_heartbeat
 from blockq.wire.protocol import ValidationError, encode
+from loadgen.cli import add_bench_arguments, config_from_args
 from loadgen.simulation.cluster import ClusterSimulation
 from loadgen.simulation.config import SimulationConfig
 from tests.factories import make_heartbeat
@@ -104,3 +108,27 @@ def test_simulation_starts_each_instance_with_its_groups_preset() -> None:
     assert presets == ["llama2-7b-a30", "llama2-7b-a30", "llama2-7b-h100-tp2"]
     with pytest.raises(ValueError, match="^fleet: 3 instances, but instances is 12"):
         SimulationConfig(fleet=fleet)
+
+
+def test_a_local_cluster_starts_each_group_in_its_own_worker_processes() -> None:
+    config = ClusterConfig(instances=9, fleet="6:llama2-7b-a30,3:llama2-7b-a100", instances_per_process=4)
+    assert config.worker_ranges() == [(0, 4, "llama2-7b-a30"), (4, 2, "llama2-7b-a30"), (6, 3, "llama2-7b-a100")]
+    workers = [argv for name, argv in config.child_argvs() if name.startswith("workers-")]
+    assert [argv[argv.index("--preset") + 1] for argv in workers] == ["llama2-7b-a30"] * 2 + ["llama2-7b-a100"]
+    assert config.num_worker_processes == 3
+    with pytest.raises(ConfigError, match="^fleet: 9 instances, but instances is 8"):
+        ClusterConfig(instances=8, fleet="6:llama2-7b-a30,3:llama2-7b-a100")
+    with pytest.raises(ConfigError, match=r"^fleet: group 1 \('6:x'\): preset: unknown"):
+        ClusterConfig(instances=6, fleet="6:x")
+    with pytest.raises(ConfigError, match="^fleet: a mixed fleet runs emulated engines"):
+        ClusterConfig(instances=9, fleet="6:llama2-7b-a30,3:llama2-7b-a100", cells=3)
+
+
+def test_bench_and_simulate_accept_the_fleet_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--fleet", "2:llama2-7b-a30,1:llama2-7b-h100-tp2"])
+    config = config_from_args(args)
+    assert (config.instances, str(config.fleet)) == (3, "2:llama2-7b-a30,1:llama2-7b-h100-tp2")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--fleet", "2:nope"])

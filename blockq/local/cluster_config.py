@@ -27,7 +27,10 @@ engines N steps nicer, so that on a node they share with the dispatcher, Redis a
 that are not set, from the node's free memory (:meth:`ClusterConfig.vllm_wanted`,
 blockq/local/vllm_sizing.py); a ``preset`` that is a measured PROFILE.json (``blockq profile``)
 is the latency model the instances publish, and ``time_scale`` and ``noise`` (the emulated
-engine's) are not used.
+engine's) are not used. ``fleet = "6:llama2-7b-a30,2:llama2-7b-h100-tp2"`` (emulated engine,
+one cell, no autoscale): a mixed fleet, each group's instances in worker processes of their
+own started with the group's preset; ``instances`` is the fleet's size and ``preset`` unused
+(:mod:`blockq.engine_model.fleet_spec`).
 
 ``prefix_caching = true`` turns on every instance's prefix cache (``workers
 --prefix-caching``): the emulated engines reuse cached prompt blocks and count hits; vLLM
@@ -67,6 +70,7 @@ from typing import Any
 
 from blockq.cells import numbered_cell_prefix
 from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, METRICS_OFF, AutoscaleOptions, ConfigError
+from blockq.engine_model.fleet_spec import parse_fleet
 from blockq.local.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
 from blockq.local.vllm_sizing import VllmSizing, VllmWanted
 
@@ -124,8 +128,10 @@ class ClusterConfig:
     # Cells (blockq.cells): the instances split evenly into this many, each with its own
     # predictor, dispatcher and key prefix (cell_prefix); the gateway routes between them.
     cells: int = 1
+    fleet: str | None = None  # a mixed fleet, COUNT:PRESET[,...] (blockq.engine_model.fleet_spec)
 
     def __post_init__(self) -> None:
+        self._check_fleet()
         if not 1 <= self.instances <= 1024:
             raise ConfigError(f"instances: must be between 1 and 1024 (got {self.instances})")
         if not 1 <= self.instances_per_process <= 256:
@@ -151,6 +157,35 @@ class ClusterConfig:
         if bounds is not None and not bounds.min_instances <= self.instances <= bounds.max_instances:
             raise ConfigError(f"instances: must be between min_instances ({bounds.min_instances}) and "
                               f"max_instances ({bounds.max_instances}) under autoscale (got {self.instances})")
+
+    def _check_fleet(self) -> None:
+        if self.fleet is None:
+            return
+        try:
+            fleet = parse_fleet(self.fleet)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.engine != "emulated" or self.cells != 1 or self.autoscale is not None:
+            raise ConfigError("fleet: a mixed fleet runs emulated engines in one cell, without autoscale")
+        if self.instances != fleet.num_instances:
+            raise ConfigError(f"fleet: {fleet.num_instances} instances, but instances is {self.instances}")
+
+    def worker_ranges(self) -> list[tuple[int, int, str]]:
+        """(first instance index, number of instances, preset) of every worker process."""
+        per_process = self.instances_per_worker_process
+        if self.fleet is not None:
+            ranges, first = [], 0
+            for group in parse_fleet(self.fleet).groups:
+                for offset in range(0, group.num_instances, per_process):
+                    ranges.append((first + offset, min(per_process, group.num_instances - offset), group.preset))
+                first += group.num_instances
+            return ranges
+        ranges, per_cell = [], self.instances // self.cells
+        for process_index in range(self.num_worker_processes):
+            cell, index_in_cell = divmod(process_index, self._num_worker_processes_per_cell)
+            first = cell * per_cell + index_in_cell * per_process
+            ranges.append((first, min(per_process, (cell + 1) * per_cell - first), self.preset))
+        return ranges
 
     def _check_engine(self) -> None:
         if self.engine not in ENGINES:
@@ -249,6 +284,8 @@ class ClusterConfig:
 
     @property
     def num_worker_processes(self) -> int:
+        if self.fleet is not None:
+            return len(self.worker_ranges())
         return self.cells * self._num_worker_processes_per_cell
 
     @property
@@ -344,11 +381,8 @@ class ClusterConfig:
             children.append((f"predictor{suffix}", (*predictor, *self._metrics_argv(f"predictor{suffix}"))))
             children.append((f"dispatcher{suffix}", (*dispatcher, *self._autoscale_argv(),
                                                      *self._metrics_argv(f"dispatcher{suffix}"))))
-        per_process, per_cell = self.instances_per_worker_process, self.instances // self.cells
-        for process_index in range(self.num_worker_processes if workers else 0):
-            cell, index_in_cell = divmod(process_index, self._num_worker_processes_per_cell)
-            first = cell * per_cell + index_in_cell * per_process
-            children.append(self.worker_child(process_index, first, min(per_process, (cell + 1) * per_cell - first)))
+        for process_index, (first, count, preset) in enumerate(self.worker_ranges() if workers else []):
+            children.append(self.worker_child(process_index, first, count, preset))
         if self.gateway:
             gateway = ["blockq.frontdoors.gateway", "--host", self.gateway_host, "--port", str(self.gateway_port)]
             if self.gateway_allow_unauthenticated:
@@ -358,13 +392,16 @@ class ClusterConfig:
             children.append(("batch-worker", ("blockq.frontdoors.batch", "worker")))
         return children
 
-    def worker_child(self, process_index: int, first_index: int, count: int) -> tuple[str, tuple[str, ...]]:
+    def worker_child(self, process_index: int, first_index: int, count: int,
+                     preset: str | None = None) -> tuple[str, tuple[str, ...]]:
         """(name, argv) of the worker process ``workers-{process_index}`` serving
-        instances ``first_index`` .. ``first_index + count - 1``."""
+        instances ``first_index`` .. ``first_index + count - 1`` (of ``preset``; None: the
+        cluster's)."""
         name = f"{WORKER_CHILD_PREFIX}{process_index}"
         return (name, (
             "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
-            "--first-index", str(first_index), *self._engine_argv(process_index), "--seed", str(self.seed),
+            "--first-index", str(first_index), *self._engine_argv(process_index, preset or self.preset),
+            "--seed", str(self.seed),
             *(["--nice", str(self.engine_nice)] if self.engine_nice else []),
             *self._refine_argv(), *self._metrics_argv(name)))
 
@@ -392,12 +429,12 @@ class ClusterConfig:
             argv.append(f"--scale-command={options.scale_command}")  # one argument, even if it starts with -
         return argv
 
-    def _engine_argv(self, process_index: int) -> list[str]:
+    def _engine_argv(self, process_index: int, preset: str) -> list[str]:
         """The worker options that choose and configure the engine of worker process
         ``process_index`` (with vLLM, one instance a process)."""
         prefix = ["--prefix-caching"] if self.prefix_caching else []
         if self.engine == "emulated":
-            return ["--preset", self.preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise), *prefix]
+            return ["--preset", preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise), *prefix]
         profile = ["--profile", self.preset] if self.preset.endswith(".json") else []  # the latency model published
         if self.engine == "vllm-http":
             limits = [] if self.vllm_max_num_seqs is None else ["--max-num-seqs", str(self.vllm_max_num_seqs)]

@@ -24,6 +24,7 @@ from blockq.config import (
     add_refine_arguments,
     add_scaling_options,
 )
+from blockq.engine_model.fleet_spec import parse_fleet
 from blockq.local.cluster_config import (
     WILL_NOT_START_EXIT_CODE,
     WILL_NOT_START_MARKER,
@@ -82,6 +83,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=None, help="placement policy (default round_robin)")
     p.add_argument("--objective", default=None, help="objective of the block policy: e2e | ttft | max_latency")
     p.add_argument("--preset", default=None, help="engine preset (default llama2-7b-a30)")
+    p.add_argument("--fleet", default=None, metavar="COUNT:PRESET[,...]",
+                   help="a mixed fleet of emulated engines, e.g. 6:llama2-7b-a30,2:llama2-7b-h100-tp2 "
+                        "(replaces --instances and --preset; one cell, no autoscale)")
     p.add_argument("--time-scale", type=float, default=None, help="wall seconds per model second (default 1)")
     p.add_argument("--engine", choices=["emulated", "vllm", "vllm-http"], default=None,
                    help="engine of every instance (default emulated); vllm-http: a worker per running vLLM "
@@ -142,12 +146,18 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     instances = args.instances
     if instances is None and args.vllm_urls:
         instances = len(args.vllm_urls)  # one instance a server
+    fleet = args.fleet or base.fleet
+    if instances is None and fleet:
+        try:
+            instances = parse_fleet(fleet).num_instances
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if autoscale is not None and instances is None and "instances" not in (
             ClusterConfig.toml_section(args.config) if args.config else {}):
         instances = autoscale.min_instances  # the fleet starts small and grows on demand
     return base.with_overrides(
         instances=instances, autoscale=autoscale, instances_per_process=args.instances_per_process, policy=args.policy,
-        objective=args.objective, preset=args.preset, time_scale=args.time_scale,
+        objective=args.objective, preset=args.preset, time_scale=args.time_scale, fleet=args.fleet,
         predictor_backend=args.predictor_backend, predictor_model=args.predictor_model,
         gateway=args.gateway, gateway_port=args.gateway_port, batch_worker=args.batch_worker, seed=args.seed,
         redis_maxmemory=args.redis_maxmemory, engine=args.engine, model=args.model,

@@ -28,6 +28,7 @@ from blockq.cells import CellSpec, numbered_cell_prefix
 from blockq.client import AsyncClient
 from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, Settings
 from blockq.engine_model import get_preset
+from blockq.engine_model.fleet_spec import FleetSpec
 from blockq.local.state import ClusterState
 from loadgen.arrivals import DEFAULT_THINK_TIME_S, build_schedule
 from loadgen.plots import run_key
@@ -48,6 +49,7 @@ class BenchConfig:
     instances_per_process: int = 6
     cells: int = 1  # the instances split into this many cells behind one front (blockq.cells)
     preset: str = "llama2-7b-a30"
+    fleet: FleetSpec | None = None  # a mixed fleet (emulated engines): replaces instances and preset
     policies: tuple[str, ...] = ("round_robin", "llumnix", "block", "oracle")
     rates: tuple[float, ...] = (20.0, 24.0, 28.0, 32.0)
     requests: int = 2000
@@ -82,6 +84,9 @@ class BenchConfig:
             raise ValueError("think_time_s: must be >= 0 seconds")
         if self.engine not in ("emulated", "vllm", "vllm-http"):
             raise ValueError(f"engine: must be emulated, vllm or vllm-http (got {self.engine!r})")
+        if self.fleet is not None and (self.engine != "emulated" or self.cells != 1
+                                       or self.fleet.num_instances != self.instances):
+            raise ValueError("fleet: emulated engines in one cell, instances the fleet's size")
 
     @property
     def all_seeds(self) -> tuple[int, ...]:
@@ -122,6 +127,7 @@ def start_cluster(config: BenchConfig, policy: str, state_dir: Path) -> dict[str
     if config.engine == "emulated":
         flags += ["--instances-per-process", str(config.instances_per_process), "--preset", config.preset,
                   "--time-scale", str(config.time_scale)]
+        flags += ["--fleet", str(config.fleet)] if config.fleet is not None else []
     elif config.preset.endswith(".json"):  # a measured profile: the latency model the instances publish
         flags += ["--preset", config.preset]
     if config.predictor_model:
@@ -160,7 +166,8 @@ def run_one(config: BenchConfig, policy: str, rate: float, requests: list[TraceR
                         lag_mean_samples_ms=result.lag_mean_samples_ms,
                         delivery_samples_ms=result.delivery_samples_ms, slo_ttft_ms=config.slo_ttft_ms,
                         lag_bound_ms=config.lag_bound_ms)
-    summary.update(policy=policy, rate=rate, instances=config.instances, preset=config.preset, engine=config.engine,
+    preset = str(config.fleet) if config.fleet is not None else config.preset
+    summary.update(policy=policy, rate=rate, instances=config.instances, preset=preset, engine=config.engine,
                    predictor=config.predictor, time_scale=config.time_scale,
                    trace=config.trace, seed=config.seed)
     if config.cells > 1:
@@ -190,7 +197,8 @@ def load_requests(config: BenchConfig) -> list[TraceRequest]:
     """The run's requests: the trace's first ``requests``, or with ``seeds`` a sample drawn
     with each seed, the very sample ``blockq simulate --seeds`` draws (a long-context
     preset keeps long prompts: the trace's length policy is the engines')."""
-    max_model_len = config.max_model_len or get_preset(config.preset).config.max_model_len
+    max_model_len = config.max_model_len or (config.fleet.min_max_model_len if config.fleet is not None
+                                             else get_preset(config.preset).config.max_model_len)
     requests = sample_trace(config.trace, config.requests, config.seed, redraw=bool(config.seeds),
                             multi_turn=config.multi_turn, max_model_len=max_model_len)
     if len(requests) < config.requests:

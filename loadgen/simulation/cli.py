@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from blockq.engine_model.fleet_spec import FleetSpec, parse_fleet
 from blockq.forecast_check import add_forecast_check_arguments
 from loadgen.cli import add_bench_arguments, print_results
 from loadgen.plots import run_key
@@ -43,13 +42,6 @@ def _slow_instances(text: str) -> tuple[int, float]:
     return int(count), float(factor) if factor else 2.0
 
 
-def _fleet(text: str) -> FleetSpec:
-    try:
-        return parse_fleet(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_arguments(parser, modes=("run", "capacity", "autoscale", "calibrate"),
                         mode_help="; autoscale: scalers compared on one workload (see --scalers); calibrate: "
@@ -59,9 +51,6 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(out=None, capacity_tolerance=0.25, capacity_iterations=16)
     parser.add_argument("--live", type=Path, default=None,
                         help="calibrate: a blockq bench results.json (or its --json output) to replay")
-    parser.add_argument("--fleet", type=_fleet, default=None,
-                        help="a mixed fleet, COUNT:PRESET[,COUNT:PRESET...] (e.g. 6:llama2-7b-a30,3:llama2-7b-a100); "
-                             "replaces --instances and --preset")
     parser.add_argument("--heartbeat-ms", type=float, default=100.0, help="worker heartbeat period (wall-clock ms)")
     parser.add_argument("--heartbeat-delay-ms", type=float, default=SimulationConfig.heartbeat_delay_ms,
                         help="from a beat's publication to the dispatcher (wall-clock ms)")
