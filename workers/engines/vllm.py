@@ -372,5 +372,6 @@ def _engine_config(engine: Any, options: VllmEngineOptions) -> dict[str, Any]:
             "max_model_len": int(config.model_config.max_model_len),
             # vLLM V1 admits without a free-block watermark
             "watermark": 0.0, "enable_prefix_caching": bool(cache.enable_prefix_caching),
-            "prefix_tokenizer": served_tokenizer_id(options.model)}
+            "prefix_tokenizer": served_tokenizer_id(options.model),
+            "tensor_parallel_size": int(getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1) or 1)}
 
