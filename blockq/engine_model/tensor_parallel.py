@@ -20,14 +20,10 @@ What each preset is made of:
   with :data:`LINKS` (achievable figures, about 80 % of the datasheet's one-direction
   bandwidth per GPU, and a per-all-reduce latency as small NCCL all-reduces show it):
 
-  ==========  ==========================  ============  ==========
-  link        datasheet (per direction)   used          latency
-  ==========  ==========================  ============  ==========
-  A100 NVLink 3  300 GB/s                 240 GB/s      8 µs
-  H100 NVLink 4  450 GB/s                 360 GB/s      8 µs
-  PCIe 4 x16 (A100)  32 GB/s              25 GB/s       20 µs
-  PCIe 5 x16 (H100)  64 GB/s              50 GB/s       20 µs
-  ==========  ==========================  ============  ==========
+  - A100 NVLink 3: 300 GB/s on the datasheet, 240 GB/s used, 8 µs;
+  - H100 NVLink 4: 450 GB/s, 360 GB/s used, 8 µs;
+  - PCIe 4 x16 (A100 boards): 32 GB/s, 25 GB/s used, 20 µs;
+  - PCIe 5 x16 (H100 boards): 64 GB/s, 50 GB/s used, 20 µs.
 
   The latency term (65 x 8 µs = 0.52 ms over NVLink) is added to ``step_overhead_s``; the
   bandwidth term, linear in the step's tokens, is added to every knot of the linear table
