@@ -6,8 +6,10 @@ request that names an adapter the candidate serves (docs/dispatcher.md, "Models 
 
 * **load**: the adapter is not resident there (not in the beat's ``loaded_loras``, not in
   use by its running or waiting requests, not named by a request this dispatcher placed
-  there since the beat): the instance's ``lora_load_ms``. The engine pays it, so it is
-  part of the predicted TTFT too.
+  there since the beat): the instance's ``lora_load_ms``, which the engine pays, so it is
+  part of the predicted TTFT too; and in the rank at least :data:`ADAPTER_AFFINITY_S`: a
+  load also evicts an adapter that later requests will load again, a cost no forecast of
+  this request shows.
 * **slot wait**: the adapter is not in use there and the adapters in use already number
   ``max_loras``: vLLM skips the request until one of those adapters has no request left
   (:mod:`blockq.engine_model.lora`), which may take many steps. The wait is not simulated;
@@ -31,19 +33,24 @@ from dispatcher.cluster_view import InstanceView
 # not a measured one: it only has to rank a full instance behind one with a slot, and
 # behind one with a free slot up to this much slower.
 ADAPTER_SLOT_WAIT_S = 2.0
+# The least a load costs in the rank (s): block takes a load only where the instances with
+# the adapter resident are predicted this much slower. Chosen on the LoRA experiment
+# (docs/results/lora.md): 30 ms (the load alone) left block at 0.57x Llumnix's loads.
+ADAPTER_AFFINITY_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
 class AdapterCharge:
     """Seconds added to a candidate's forecast: ``load_s`` (in its TTFT) and ``wait_s``
-    (in its rank only)."""
+    (in its rank only); ``loads``: the adapter is not resident there."""
 
     load_s: float = 0.0
     wait_s: float = 0.0
+    loads: bool = False
 
     @property
     def rank_s(self) -> float:
-        return self.load_s + self.wait_s
+        return (max(self.load_s, ADAPTER_AFFINITY_S) if self.loads else 0.0) + self.wait_s
 
 
 NO_CHARGE = AdapterCharge()
@@ -68,6 +75,7 @@ def adapter_charge(view: InstanceView, model: str | None) -> AdapterCharge:
     active = active_adapters(view)
     if model in active:
         return NO_CHARGE
-    load_s = 0.0 if model in loaded_adapter_names(config) else float(config.get("lora_load_ms") or 0.0) / 1000
+    loads = model not in loaded_adapter_names(config)
+    load_s = float(config.get("lora_load_ms") or 0.0) / 1000 if loads else 0.0
     wait_s = ADAPTER_SLOT_WAIT_S if len(active - {view.heartbeat.model}) >= max_loras else 0.0
-    return AdapterCharge(load_s, wait_s)
+    return AdapterCharge(load_s, wait_s, loads)
