@@ -87,7 +87,24 @@ def _served_figures(config: SimulationConfig, simulation: ClusterSimulation,
     return {"adapter_loads": sum(i.engine.scheduler.num_lora_loads for i in simulation.instances.values()),
             "model_misplaced": misplaced, "adapters": config.served.num_adapters,
             "max_loras": config.served.max_loras if config.served.num_adapters else None,
-            "models": [m.name for m in config.served.models] or None}
+            "models": [m.name for m in config.served.models] or None,
+            "per_model": _per_model_ttft(config, finals, requests)}
+
+
+def _per_model_ttft(config: SimulationConfig, finals: dict[str, FinalRecord],
+                    requests: list[Request]) -> dict[str, dict[str, float | int | None]] | None:
+    """Several base models: each one's requests, answered ok, and their mean and P99 TTFT (ms)."""
+    if not config.served.models:
+        return None
+    figures = {}
+    for model in config.served.models:
+        ttfts = [final.ttft_ms for request in requests if request.model == model.name
+                 and (final := finals.get(request.id)) is not None and final.status == "ok" and final.ttft_ms is not None]
+        ordered = sorted(ttfts)
+        figures[model.name] = {"requests": sum(1 for r in requests if r.model == model.name), "ok": len(ttfts),
+                               "ttft_mean_ms": sum(ttfts) / len(ttfts) if ttfts else None,
+                               "ttft_p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ttfts else None}
+    return figures
 
 
 def _prefix_hit_rates(config: SimulationConfig, counters: dict[str, int], cores: list[DispatcherCore],
