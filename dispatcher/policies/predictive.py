@@ -111,7 +111,8 @@ class Block:
         chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size)
         if self.shortlist.cuts(len(candidates)):
             self._learn(ranked, now_s)
-        load_s = adapter_charge(chosen.candidate, request.model).load_s  # the engine pays it; the slot wait is a rank
+        # An adapter's load: the engine pays it (the slot wait only ranks).
+        load_s = adapter_charge(chosen.candidate, request.model).load_s if request.model is not None else 0.0
         return Decision(chosen.candidate.instance_id, predicted_ttft_ms=(chosen_forecast.ttft_s + load_s) * 1000,
                         predicted_e2e_ms=(chosen_forecast.e2e_s + load_s) * 1000)
 
