@@ -119,3 +119,26 @@ def test_block_prefers_the_instance_with_the_adapter_in_use() -> None:
     for model, expected in (("x", "b"), ("y", "c"), ("x", "b")):
         (outcome,) = core.place([make_request(predicted=20, model=model)], 0.1)
         assert isinstance(outcome, Placed) and outcome.request.assignment.instance_id == expected
+
+
+def test_an_emulated_worker_serves_what_its_options_say() -> None:
+    import argparse
+
+    from workers.cli import add_arguments, build_engine
+    from workers.engines.base import EngineRequestSpec
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    engine = build_engine(parser.parse_args(["--instance-id", "i0", "--lora-modules", "sql=/x,poems=/y",
+                                             "--max-loras", "1", "--served-model-name", "base"]), 0)
+    config = engine.engine_config()
+    assert (engine.model, config["lora_adapters"], config["loaded_loras"], config["max_loras"]) == (
+        "base", ["sql", "poems"], [], 1)
+    spec = EngineRequestSpec("r1", "hi", prompt_tokens=4, max_tokens=4, true_output_tokens=2, model="poems")
+    assert engine.validate(spec) is None
+    assert "gpt-9" in (engine.validate(dataclasses.replace(spec, model="gpt-9")) or "")
+    engine.add_request(spec)
+    assert engine.engine_stats()["waiting_lora_adapters"] == ["poems"]
+    engine.finish_step(engine.start_step())
+    assert engine.engine_config()["loaded_loras"] == ["poems"] and engine.engine_config() is not config
+    assert engine.engine_stats()["num_lora_loads_total"] == 1
