@@ -36,6 +36,7 @@ from blockq.text.model_tokenizer import PROJECT_TOKENIZER
 from blockq.wire.beats import Heartbeat, progress_column
 from blockq.wire.health import HealthPolicy, InstanceState
 from blockq.wire.protocol import Request
+from blockq.wire.served_models import adapter_names, serves
 from dispatcher.prefix_index import PrefixIndex
 from dispatcher.replica import InstanceReplica
 
@@ -111,6 +112,9 @@ class ClusterView:
         self.prefix_scheme = prefix_scheme
         self.num_replica_rebuilds = 0  # replicas built or rebuilt from a beat, since start
         self._live: list[InstanceView] | None = None  # live_instances(), until health changes
+        # serving(): model -> (the live list it filtered, the instances serving the model);
+        # cleared when an instance's served names change.
+        self._serving: dict[str, tuple[list[InstanceView], list[InstanceView]]] = {}
 
     def hear_again(self, now_s: float) -> None:
         """The dispatcher can hear beats from ``now_s`` on (it starts leading, reconnected,
@@ -193,6 +197,9 @@ class ClusterView:
             view = InstanceView(beat.instance_id, beat, heard_at_s)
             self.instances[beat.instance_id] = view
             self._live = None
+        if view.heartbeat is not beat and (view.heartbeat.model != beat.model or adapter_names(
+                view.heartbeat.engine_config) != adapter_names(beat.engine_config)):
+            self._serving.clear()
         view.heartbeat = beat
         view.last_beat_at_s = heard_at_s
         view.heard = True
@@ -326,6 +333,24 @@ class ClusterView:
             self._live = sorted((v for v in self.instances.values() if v.health == InstanceState.LIVE),
                                 key=lambda v: v.instance_id)
         return self._live
+
+    def serving(self, model: str | None, live: list[InstanceView]) -> list[InstanceView]:
+        """The instances of ``live`` that serve ``model`` (its base model or one of its
+        adapters: :func:`blockq.wire.served_models.serves`); ``live`` itself when every one
+        does (policies keep what they derive from a candidate list while it is the same
+        list), and the same list for the same ``live`` list until served names change.
+        This is the one place requests are kept to their model: before any policy chooses,
+        live and simulated alike."""
+        if model is None:
+            return live
+        cached = self._serving.get(model)
+        if cached is not None and cached[0] is live:
+            return cached[1]
+        serving = [view for view in live if serves(view.heartbeat, model)]
+        if len(serving) == len(live):
+            serving = live
+        self._serving[model] = (live, serving)
+        return serving
 
     def forget(self, instance_ids: Iterable[str]) -> None:
         for instance_id in instance_ids:

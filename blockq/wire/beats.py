@@ -22,6 +22,7 @@ from blockq.wire.protocol import (
     float_field,
     unpack_map,
 )
+from blockq.wire.served_models import check_adapter_lists
 
 MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
 # Output blocks newly cached per beat: a beat every 100 ms rarely finishes more than a few
@@ -324,6 +325,7 @@ def _check_engine_model(data: Mapping[str, Any]) -> None:
     refused here, naming the field: a value that is not (an infinite
     block count) would otherwise raise inside the dispatcher's view, beat after beat."""
     config = field_of(data, "engine_config", dict)
+    check_adapter_lists(config)
     for spec in fields(EngineConfig):
         value = config.get(spec.name)
         if value is None:

@@ -93,9 +93,10 @@ class ClusterSimulation:
         """A new instance whose worker beats from ``up_at_s`` on (its engine started)."""
         config = self.config
         overrides = (("enable_prefix_caching", True),) if config.prefix_caching else ()
+        served = config.served.engine_options(len(self.instances))  # its model and adapters
         options = EmulatedEngineOptions(preset=config.preset, noise_sigma=config.noise_sigma, stream_tokens=False,
                                         time_scale=config.time_scale, seed=self._rng.randrange(2**31),
-                                        config_overrides=overrides)
+                                        **{**served, "config_overrides": overrides + served.get("config_overrides", ())})
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instance's wall clock
         # The last slow_instances of the first fleet are slow (not gpu0: a long-prompt lane).
         index = len(self.instances)
@@ -373,4 +374,5 @@ class ClusterSimulation:
                 "beats_rejected": stats.num_beats_rejected, "placed": stats.num_placed,
                 "held": stats.num_held, "rejected": stats.num_rejected, "infeasible": stats.num_infeasible,
                 "prefix_cache_queries_tokens": sum(s["prefix_cache_queries_total"] for s in engine_stats),
-                "prefix_cache_hits_tokens": sum(s["prefix_cache_hits_total"] for s in engine_stats)}
+                "prefix_cache_hits_tokens": sum(s["prefix_cache_hits_total"] for s in engine_stats),
+                "adapter_loads": sum(i.engine.scheduler.num_lora_loads for i in instances)}
