@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +35,7 @@ from blockq.engine_model.packed import PackedScheduler, RestoredRow
 from blockq.engine_model.packed_layout import FINISHED
 from blockq.forecast_check import scaled_latency_model
 from blockq.lengths import LengthBelief, belief_from_prediction, check_length_mode
-from blockq.wire.beats import Heartbeat, RequestProgress
+from blockq.wire.beats import Heartbeat, RequestProgress, progress_values
 from blockq.wire.protocol import Request
 from dispatcher.prefix_index import PrefixIndex
 
@@ -276,27 +276,34 @@ class InstanceReplica:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _restored_rows(self, progress: Iterable[RequestProgress]) -> list[RestoredRow]:
+    def _restored_rows(self, progress: Sequence[RequestProgress]) -> list[RestoredRow]:
         """The beat's requests as the packed scheduler restores them, with output targets
-        from this replica's beliefs."""
-        rows = []
-        max_model_len, beliefs, lengths = self.config.max_model_len, self.beliefs, self.lengths
-        for item in progress:
-            if item.refined_at_tokens is not None and lengths != "truth":
+        from this replica's beliefs. Reads the entries as value lists (decoded beats'
+        entries are never made into tuples here): a rebuild restores ~70 of them."""
+        rows: list[RestoredRow] = []
+        append = rows.append
+        max_model_len, beliefs, lengths, placed_rows = self.config.max_model_len, self.beliefs, self.lengths, \
+            self._new_rows
+        refined_counts = lengths != "truth"
+        for item in progress_values(progress):
+            request_id, prompt_tokens, computed_tokens, generated_tokens = item[0], item[1], item[2], item[3]
+            # (predicted, p10, p90): entries of older workers carry no p10 and no refinement.
+            p50, p90 = item[4], item[5]
+            p10, refined_at = (item[6], item[7]) if len(item) > 6 else (None, None)
+            if refined_at is not None and refined_counts:
                 # Refined from the partial output: it knows more than the first guess.
-                belief = _belief_in_beat(item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
+                belief = _belief_in_beat(p50, p10, p90)
             else:
-                belief = beliefs.get(item.request_id) or _belief_in_beat(
-                    item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
-            prompt_tokens = min(item.prompt_tokens, max_model_len - 1)
-            if not item.num_computed_tokens and (placed := self._new_rows.get(item.request_id)) is not None:
+                belief = beliefs.get(request_id) or _belief_in_beat(p50, p10, p90)
+            prompt_tokens = min(prompt_tokens, max_model_len - 1)
+            if not computed_tokens and (placed := placed_rows.get(request_id)) is not None:
                 # Not started yet: it will find cached what it was predicted to when placed
                 # here (a beat does not say), as its row did before the beat showed it.
                 prompt_tokens = min(prompt_tokens, placed[1])
-            target = min(belief.remaining_target(item.num_generated_tokens, lengths), max_model_len - prompt_tokens)
-            if item.num_generated_tokens >= target:
+            target = min(belief.remaining_target(generated_tokens, lengths), max_model_len - prompt_tokens)
+            if generated_tokens >= target:
                 continue  # at its length limit: finishes on its next token, nothing to model
-            rows.append((item.request_id, prompt_tokens, target, item.num_computed_tokens, item.num_generated_tokens))
+            append((request_id, prompt_tokens, target, computed_tokens, generated_tokens))
         return rows
 
     def _observe_samples(self, beat: Heartbeat) -> None:

@@ -100,34 +100,39 @@ class PackedScheduler:
         Raises:
             ValueError: as :meth:`EngineScheduler.restore`, naming the field.
         """
-        max_model_len, block_size = config.max_model_len, config.block_size
+        rows = [*running, *waiting]
+        num_rows, num_running = len(rows), len(running)
+        packed = cls(config, latency_model, now_s, capacity=num_rows + spare_rows)
+        if not num_rows:
+            packed._set_queues(0, 0, config.num_gpu_blocks)
+            return packed
+        # Column by column in numpy, not row by row: a rebuild restores ~70 rows, and the
+        # per-row Python was a third of it (docs/results/decisions-at-scale.md).
+        values = np.array([row[1:] for row in rows], np.int64)
+        prompt, given_target, computed, generated = values.T
+        target = np.minimum(given_target, config.max_model_len - prompt)
+        ids = [row[0] for row in rows]
+        if not _rows_valid(ids, prompt, given_target, generated, target, config.max_model_len):
+            _check_rows(rows, config.max_model_len)  # raises, naming the first bad row as the reference does
+        computed = np.maximum(0, np.minimum(computed, prompt + generated - 1))
+        blocks = -(-computed // config.block_size)
         free_blocks = config.num_gpu_blocks
         if engine_used_blocks is not None:
-            num_held = sum(_held_blocks(row[1], row[3], row[4], block_size) for row in running)
-            free_blocks += max(0, num_held - engine_used_blocks)
-        seen: set[str] = set()
-        admitted: list[tuple[str, int, int, int, int, int]] = []   # id, prompt, target, computed, generated, blocks
-        queued: list[tuple[str, int, int, int, int, int]] = []
-        for rows, may_run in ((running, True), (waiting, False)):
-            for request_id, prompt_tokens, target_tokens, computed_tokens, generated_tokens in rows:
-                target_tokens = _checked_target(request_id, prompt_tokens, target_tokens, generated_tokens,
-                                                max_model_len, seen)
-                seen.add(request_id)
-                computed_tokens = _clipped_computed(prompt_tokens, computed_tokens, generated_tokens)
-                num_blocks = -(-computed_tokens // block_size)
-                if may_run and not queued and len(admitted) < config.max_num_seqs and num_blocks <= free_blocks:
-                    free_blocks -= num_blocks
-                    admitted.append((request_id, prompt_tokens, target_tokens, computed_tokens, generated_tokens,
-                                     num_blocks))
-                else:
-                    queued.append((request_id, prompt_tokens, target_tokens, 0, generated_tokens, 0))
-        rows = admitted + queued
-        packed = cls(config, latency_model, now_s, capacity=len(rows) + spare_rows)
-        if rows:
-            packed.requests[:len(rows)] = [(*row[1:], 0) for row in rows]
-            packed.times[:len(rows), layout.ARRIVAL] = 0.0
-            packed.request_ids.extend(row[0] for row in rows)
-        packed._set_queues(len(admitted), len(queued), free_blocks)
+            free_blocks += max(0, int(blocks[:num_running].sum()) - engine_used_blocks)
+        # Running rows run, in order, while a slot and their blocks are free; from the first
+        # that does not fit, every row queues (nothing computed, no blocks).
+        fits = np.cumsum(blocks[:num_running]) <= free_blocks
+        num_admitted = min(config.max_num_seqs, num_running if fits.all() else int(np.argmin(fits)))
+        table = packed.requests
+        table[:num_rows, layout.PROMPT] = prompt
+        table[:num_rows, layout.TARGET] = target
+        table[:num_admitted, layout.COMPUTED] = computed[:num_admitted]
+        table[:num_rows, layout.GENERATED] = generated
+        table[:num_admitted, layout.BLOCKS] = blocks[:num_admitted]
+        packed.times[:num_rows, layout.ARRIVAL] = 0.0
+        packed.request_ids.extend(ids)
+        packed._set_queues(num_admitted, num_rows - num_admitted,
+                           free_blocks - int(blocks[:num_admitted].sum()))
         return packed
 
     def clone(self) -> PackedScheduler:
@@ -361,6 +366,22 @@ def _latency_arrays(latency_model: StepLatencyModel) -> tuple[np.ndarray, np.nda
     return coefficients, np.array(latency_model.linear_table_s)
 
 
+
+def _rows_valid(ids: list[str], prompt: np.ndarray, given_target: np.ndarray, generated: np.ndarray,
+                target: np.ndarray, max_model_len: int) -> bool:
+    """Whether every restored row passes :func:`_checked_target`'s checks (all at once)."""
+    return (all(ids) and len(set(ids)) == len(ids) and bool(prompt.min() >= 1)
+            and bool(prompt.max() < max_model_len) and bool(given_target.min() >= 1)
+            and bool(generated.min() >= 0) and bool((generated < target).all()))
+
+
+def _check_rows(rows: Sequence[RestoredRow], max_model_len: int) -> None:
+    """:func:`_checked_target` row by row: raises for the first row that fails."""
+    seen: set[str] = set()
+    for request_id, prompt_tokens, target_tokens, _, generated_tokens in rows:
+        _checked_target(request_id, prompt_tokens, target_tokens, generated_tokens, max_model_len, seen)
+        seen.add(request_id)
+
 def _checked_target(request_id: str, prompt_tokens: int, target_tokens: int, generated_tokens: int,
                     max_model_len: int, seen: set[str]) -> int:
     """A restored row's output target clipped to ``max_model_len``, after the checks
@@ -382,16 +403,6 @@ def _checked_target(request_id: str, prompt_tokens: int, target_tokens: int, gen
         raise ValueError(f"num_generated_tokens: must be < output_target_tokens "
                          f"({target_tokens} after clipping to max_model_len)")
     return target_tokens
-
-
-def _clipped_computed(prompt_tokens: int, computed_tokens: int, generated_tokens: int) -> int:
-    """A restored row's computed tokens: at most its known tokens - 1 (the last is sampled)."""
-    return max(0, min(computed_tokens, prompt_tokens + generated_tokens - 1))
-
-
-def _held_blocks(prompt_tokens: int, computed_tokens: int, generated_tokens: int, block_size: int) -> int:
-    """The KV blocks a restored running row holds."""
-    return -(-_clipped_computed(prompt_tokens, computed_tokens, generated_tokens) // block_size)
 
 
 def _nan_if_none(value: float | None) -> float:
