@@ -34,7 +34,7 @@ from blockq.lengths import check_length_mode
 from blockq.text.block_hashes import PROJECT_SCHEME, PrefixScheme
 from blockq.text.model_tokenizer import PROJECT_TOKENIZER
 from blockq.wire.beats import Heartbeat, progress_column
-from blockq.wire.health import HealthPolicy, InstanceState
+from blockq.wire.health import HealthPolicy, InstanceState, silence_s
 from blockq.wire.protocol import Request
 from dispatcher.prefix_index import PrefixIndex
 from dispatcher.replica import InstanceReplica
@@ -107,6 +107,8 @@ class ClusterView:
         self.keep_replicas = keep_replicas
         self.lengths = check_length_mode(lengths)
         self.audible_since_s = float("-inf")
+        # Every beat that reached the bus before this was read (inf: all of them, up to now).
+        self.read_until_s = float("inf")
         self.prior_latency_model = prior_latency_model or get_preset(PRIOR_PRESET).latency_model
         self.prefix_scheme = prefix_scheme
         self.num_replica_rebuilds = 0  # replicas built or rebuilt from a beat, since start
@@ -117,6 +119,12 @@ class ClusterView:
         or its reads failed until now): silence before ``now_s`` no longer makes an
         instance dead (see the module docstring)."""
         self.audible_since_s = max(self.audible_since_s, now_s)
+
+    def read_beats_until(self, heard_at_s: float | None) -> None:
+        """The dispatcher has read every beat that reached the bus before ``heard_at_s``
+        (None: all of them, its read caught up): instances' silence is counted up to there
+        (:func:`blockq.wire.health.silence_s`)."""
+        self.read_until_s = float("inf") if heard_at_s is None else heard_at_s
 
     def _latency_model(self, beat: Heartbeat) -> StepLatencyModel:
         """The latency model an instance publishes, else its preset's, else the prior."""
@@ -294,8 +302,9 @@ class ClusterView:
         return newly_gone
 
     def _classify(self, view: InstanceView, now_s: float) -> str:
-        health = self.health_policy.classify(view.heartbeat.state, now_s - view.last_beat_at_s)
-        audible_for_s = now_s - max(view.last_beat_at_s, self.audible_since_s)
+        health = self.health_policy.classify(view.heartbeat.state,
+                                             silence_s(view.last_beat_at_s, now_s, self.read_until_s))
+        audible_for_s = silence_s(max(view.last_beat_at_s, self.audible_since_s), now_s, self.read_until_s)
         if health == InstanceState.DEAD and audible_for_s <= self.health_policy.dead_after_s:
             return InstanceState.SUSPECT  # silent, but not for long enough that the dispatcher could tell
         return health

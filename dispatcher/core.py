@@ -177,6 +177,12 @@ class DispatcherCore:
         """Silence before ``now_s`` makes no instance dead (:meth:`ClusterView.hear_again`)."""
         self.view.hear_again(now_s)
 
+    def read_beats_until(self, heard_at_s: float | None) -> None:
+        """Every beat that reached the bus before ``heard_at_s`` was read (None: every beat,
+        the read caught up); silence is counted up to there
+        (:meth:`ClusterView.read_beats_until`)."""
+        self.view.read_beats_until(heard_at_s)
+
     def refresh_health(self, now_s: float) -> list[str]:
         """Update health from beat ages; the ids of instances that just left (became
         ``dead``, or were first seen ``stopped``) or started draining: their queues (a
