@@ -112,6 +112,11 @@ class ClusterView:
         self.prior_latency_model = prior_latency_model or get_preset(PRIOR_PRESET).latency_model
         self.prefix_scheme = prefix_scheme
         self.num_replica_rebuilds = 0  # replicas built or rebuilt from a beat, since start
+        # Instances that may hold batch work not finished (a superset of those whose
+        # batch_request_ids is not empty): while it is empty, no candidate list needs
+        # filtering for batch work (dispatcher.priority), which at 1,024 instances was a
+        # pass over the fleet per decision.
+        self.batch_instance_ids: set[str] = set()
         self._live: list[InstanceView] | None = None  # live_instances(), until health changes
 
     def hear_again(self, now_s: float) -> None:
@@ -193,6 +198,8 @@ class ClusterView:
                 self.instances.pop(beat.instance_id, None)
             else:
                 self.instances[beat.instance_id] = saved
+                if saved.batch_request_ids:
+                    self.batch_instance_ids.add(saved.instance_id)
             self._live = None
             raise
 
@@ -271,8 +278,7 @@ class ClusterView:
         view.replica_beat = view.heartbeat
         self.num_replica_rebuilds += 1
 
-    @staticmethod
-    def _reconcile(view: InstanceView, beat: Heartbeat) -> None:
+    def _reconcile(self, view: InstanceView, beat: Heartbeat) -> None:
         if not view.assigned_not_seen and not view.batch_request_ids:
             return
         seen = set(progress_column(beat.running, 0))
@@ -281,6 +287,8 @@ class ClusterView:
         for request_id in seen & view.assigned_not_seen.keys():
             del view.assigned_not_seen[request_id]
         view.batch_request_ids.difference_update(beat.finished_ids)
+        if not view.batch_request_ids:
+            self.batch_instance_ids.discard(view.instance_id)
 
     def refresh_health(self, now_s: float) -> list[InstanceView]:
         """Update health from beat ages; returns the instances whose queues are to be
@@ -327,6 +335,7 @@ class ClusterView:
             view.prefix_index.record(request.prompt_block_hashes)
         if request.priority == "batch":
             view.batch_request_ids.add(request.id)
+            self.batch_instance_ids.add(instance_id)
 
     def live_instances(self) -> list[InstanceView]:
         """Instances that may receive new requests, in a stable (id) order (the same list
@@ -339,6 +348,7 @@ class ClusterView:
     def forget(self, instance_ids: Iterable[str]) -> None:
         for instance_id in instance_ids:
             self.instances.pop(instance_id, None)
+            self.batch_instance_ids.discard(instance_id)
         self._live = None
 
 
@@ -360,8 +370,12 @@ def _saved(view: InstanceView | None) -> InstanceView | None:
     next decision rebuilds it from the restored beat)."""
     if view is None:
         return None
-    return replace(view, assigned_not_seen=dict(view.assigned_not_seen),
-                   batch_request_ids=set(view.batch_request_ids), replica=None, replica_beat=None)
+    # A field-for-field copy, not dataclasses.replace (which runs __init__): every beat
+    # applied pays for it.
+    saved = object.__new__(InstanceView)
+    saved.__dict__.update(view.__dict__, assigned_not_seen=dict(view.assigned_not_seen),
+                          batch_request_ids=set(view.batch_request_ids), replica=None, replica_beat=None)
+    return saved
 
 
 def _indexes_prefixes(beat: Heartbeat, scheme: PrefixScheme) -> bool:

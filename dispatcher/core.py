@@ -263,7 +263,8 @@ class DispatcherCore:
 
     def _place_one(self, request: Request, live: list[InstanceView], now_s: float, bus_now_s: float | None, *,
                    admit: bool = True) -> Outcome:
-        candidates = eligible_candidates(request, live) if live else []
+        candidates = eligible_candidates(request, live, any_batch_work=bool(self.view.batch_instance_ids)) \
+            if live else []
         if not candidates:  # batch work waits for idle capacity; so does everything with no instance
             self.stats.num_held += 1
             return Held(request)
