@@ -25,17 +25,22 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from blockq.engine_model import EngineConfig, StepLatencyModel, StepSample
-from blockq.engine_model.packed import PackedScheduler, RestoredRow
+from blockq.engine_model.packed import PackedScheduler
 from blockq.engine_model.packed_layout import FINISHED
 from blockq.forecast_check import scaled_latency_model
-from blockq.lengths import LengthBelief, belief_from_prediction, check_length_mode
-from blockq.wire.beats import Heartbeat, RequestProgress, progress_values
+from blockq.lengths import (
+    LengthBelief,
+    belief_from_prediction,
+    check_length_mode,
+    remaining_targets,
+)
+from blockq.wire.beats import Heartbeat, progress_values
 from blockq.wire.protocol import Request
 from dispatcher.prefix_index import PrefixIndex
 
@@ -171,10 +176,9 @@ class InstanceReplica:
         # With prefix caching, running requests of one conversation hold its earlier turns'
         # blocks once: the engine's count tells the replica how many its rows share.
         shares_blocks = self.prefix_index is not None and not beat.truncated
-        scheduler = PackedScheduler.restored(
-            self.config, self._simulated_latency_model(), state_at_s, self._restored_rows(beat.running),
-            self._restored_rows(beat.waiting), spare_rows=SPARE_ROWS,
-            engine_used_blocks=beat.num_used_blocks if shares_blocks else None)
+        scheduler = PackedScheduler.restored_columns(
+            self.config, self._simulated_latency_model(), state_at_s, *self._restored_columns(beat),
+            spare_rows=SPARE_ROWS, engine_used_blocks=beat.num_used_blocks if shares_blocks else None)
         self.scheduler = scheduler
         self.advance(now_wall_s)
         rows = self._new_rows
@@ -276,35 +280,42 @@ class InstanceReplica:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _restored_rows(self, progress: Sequence[RequestProgress]) -> list[RestoredRow]:
-        """The beat's requests as the packed scheduler restores them, with output targets
-        from this replica's beliefs. Reads the entries as value lists (decoded beats'
-        entries are never made into tuples here): a rebuild restores ~70 of them."""
-        rows: list[RestoredRow] = []
-        append = rows.append
-        max_model_len, beliefs, lengths, placed_rows = self.config.max_model_len, self.beliefs, self.lengths, \
-            self._new_rows
-        refined_counts = lengths != "truth"
-        for item in progress_values(progress):
-            request_id, prompt_tokens, computed_tokens, generated_tokens = item[0], item[1], item[2], item[3]
-            # (predicted, p10, p90): entries of older workers carry no p10 and no refinement.
-            p50, p90 = item[4], item[5]
-            p10, refined_at = (item[6], item[7]) if len(item) > 6 else (None, None)
-            if refined_at is not None and refined_counts:
-                # Refined from the partial output: it knows more than the first guess.
-                belief = _belief_in_beat(p50, p10, p90)
-            else:
-                belief = beliefs.get(request_id) or _belief_in_beat(p50, p10, p90)
-            prompt_tokens = min(prompt_tokens, max_model_len - 1)
-            if not computed_tokens and (placed := placed_rows.get(request_id)) is not None:
+    def _restored_columns(self, beat: Heartbeat) -> tuple[list[str], np.ndarray, int]:
+        """The beat's requests as :meth:`PackedScheduler.restored_columns` restores them
+        (ids; prompt, output target, computed, generated; how many run), with output
+        targets from this replica's beliefs. Column by column: a rebuild restores ~70
+        requests, and a pass of Python per request was most of its cost."""
+        entries = [*progress_values(beat.running), *progress_values(beat.waiting)]
+        if not entries:
+            return [], np.zeros((0, 4), np.int64), 0
+        if min(map(len, entries)) < 8:  # entries of older workers: no p10, no refinement
+            entries = [entry if len(entry) >= 8 else (*entry, None, None) for entry in entries]
+        ids, prompts, computed, generated, p50s, p90s, p10s, refined_at = zip(*entries, strict=True)
+        beliefs = list(map(_belief_in_beat, p50s, p10s, p90s))
+        if self.beliefs:
+            # A request placed here keeps the belief it was placed with, unless the worker
+            # refined it from its partial output since (that knows more than the first guess).
+            refined_counts = self.lengths != "truth"
+            for row, own in enumerate(map(self.beliefs.get, ids)):
+                if own is not None and (refined_at[row] is None or not refined_counts):
+                    beliefs[row] = own
+        max_model_len = self.config.max_model_len
+        values = np.array([prompts, [0] * len(ids), computed, generated], np.int64).T
+        prompt, computed_tokens, generated_tokens = values[:, 0], values[:, 2], values[:, 3]
+        np.minimum(prompt, max_model_len - 1, out=prompt)
+        for row in np.flatnonzero(computed_tokens == 0).tolist():
+            if (placed := self._new_rows.get(ids[row])) is not None:
                 # Not started yet: it will find cached what it was predicted to when placed
                 # here (a beat does not say), as its row did before the beat showed it.
-                prompt_tokens = min(prompt_tokens, placed[1])
-            target = min(belief.remaining_target(generated_tokens, lengths), max_model_len - prompt_tokens)
-            if generated_tokens >= target:
-                continue  # at its length limit: finishes on its next token, nothing to model
-            append((request_id, prompt_tokens, target, computed_tokens, generated_tokens))
-        return rows
+                prompt[row] = min(prompt[row], placed[1])
+        values[:, 1] = np.minimum(remaining_targets(beliefs, generated_tokens, self.lengths), max_model_len - prompt)
+        # At its length limit, a request finishes on its next token: nothing to model.
+        keep = generated_tokens < values[:, 1]
+        num_running = int(keep[:len(beat.running)].sum())
+        if keep.all():
+            return list(ids), values, num_running
+        return [request_id for request_id, kept in zip(ids, keep.tolist(), strict=True) if kept], values[keep], \
+            num_running
 
     def _observe_samples(self, beat: Heartbeat) -> None:
         for sample in beat.step_samples:

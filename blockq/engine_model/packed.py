@@ -101,19 +101,28 @@ class PackedScheduler:
             ValueError: as :meth:`EngineScheduler.restore`, naming the field.
         """
         rows = [*running, *waiting]
-        num_rows, num_running = len(rows), len(running)
+        values = np.array([row[1:] for row in rows], np.int64).reshape(len(rows), 4)
+        return cls.restored_columns(config, latency_model, now_s, [row[0] for row in rows], values, len(running),
+                                    spare_rows=spare_rows, engine_used_blocks=engine_used_blocks)
+
+    @classmethod
+    def restored_columns(cls, config: EngineConfig, latency_model: StepLatencyModel, now_s: float,
+                         ids: Sequence[str], values: np.ndarray, num_running: int, *,
+                         spare_rows: int = 16, engine_used_blocks: int | None = None) -> PackedScheduler:
+        """:meth:`restored` from columns: ``ids`` and ``values`` (int64, one row per id:
+        prompt tokens, output target, computed, generated), the first ``num_running`` of
+        them running. Column by column in numpy, not row by row: a rebuild restores ~70
+        rows, and the per-row Python was most of it (docs/results/decisions-at-scale.md)."""
+        num_rows = len(ids)
         packed = cls(config, latency_model, now_s, capacity=num_rows + spare_rows)
         if not num_rows:
             packed._set_queues(0, 0, config.num_gpu_blocks)
             return packed
-        # Column by column in numpy, not row by row: a rebuild restores ~70 rows, and the
-        # per-row Python was a third of it (docs/results/decisions-at-scale.md).
-        values = np.array([row[1:] for row in rows], np.int64)
         prompt, given_target, computed, generated = values.T
         target = np.minimum(given_target, config.max_model_len - prompt)
-        ids = [row[0] for row in rows]
         if not _rows_valid(ids, prompt, given_target, generated, target, config.max_model_len):
-            _check_rows(rows, config.max_model_len)  # raises, naming the first bad row as the reference does
+            # Raises, naming the first bad row as the reference does.
+            _check_rows(list(zip(ids, *values.T.tolist(), strict=True)), config.max_model_len)
         computed = np.maximum(0, np.minimum(computed, prompt + generated - 1))
         blocks = -(-computed // config.block_size)
         free_blocks = config.num_gpu_blocks
@@ -353,6 +362,9 @@ def warm_up() -> None:
     future.simulate()
     scheduler.what_if(40, 20, scheduler.now_s, future.times[:, layout.FINISHED].copy())
     scheduler.first_token_if(40, 20, scheduler.now_s)
+    # A replica rebuild's length targets are compiled too (blockq.lengths.remaining_targets).
+    from blockq.lengths_kernel import quantiles_above
+    quantiles_above(np.zeros(1), np.ones(1), np.ones(1, np.int64), 0.5, np.empty(1))
 
 
 @lru_cache(maxsize=256)
@@ -367,7 +379,7 @@ def _latency_arrays(latency_model: StepLatencyModel) -> tuple[np.ndarray, np.nda
 
 
 
-def _rows_valid(ids: list[str], prompt: np.ndarray, given_target: np.ndarray, generated: np.ndarray,
+def _rows_valid(ids: Sequence[str], prompt: np.ndarray, given_target: np.ndarray, generated: np.ndarray,
                 target: np.ndarray, max_model_len: int) -> bool:
     """Whether every restored row passes :func:`_checked_target`'s checks (all at once)."""
     return (all(ids) and len(set(ids)) == len(ids) and bool(prompt.min() >= 1)
