@@ -68,13 +68,19 @@ class LengthBelief:
                    num_generated_tokens + 1)
 
 
+# Fewer rows than this are computed one by one: numpy's and the compiled call's fixed cost
+# (~20 µs) is more than a few rows' Python (small fleets and the simulation's instances
+# list a few requests a beat; the dispatch-bench's ~70).
+MIN_VECTOR_ROWS = 24
+
+
 def remaining_targets(beliefs: Sequence[LengthBelief], num_generated_tokens: np.ndarray,
                       lengths: str = "median") -> np.ndarray:
     """:meth:`LengthBelief.remaining_target` of each belief and count (int64), equal to it
     value for value (a test compares them): under ``median`` in numpy, the conditioned rows
     compiled (:mod:`blockq.lengths_kernel`), since a replica rebuild asks for ~70 at a
     time and a Python call per row was most of the rebuild."""
-    if lengths != "median":
+    if lengths != "median" or len(beliefs) < MIN_VECTOR_ROWS:
         return np.array([belief.remaining_target(int(generated), lengths)
                          for belief, generated in zip(beliefs, num_generated_tokens.tolist(), strict=True)],
                         np.int64).reshape(len(beliefs))

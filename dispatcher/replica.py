@@ -191,7 +191,12 @@ class InstanceReplica:
         changes), and through every step that starts before a request placed now reaches
         the engine (:attr:`delivery_s`)."""
         self.now_s = self.model_time_s(now_wall_s)
-        self.scheduler.simulate(until_s=self.model_time_s(now_wall_s + self.delivery_s))
+        until_s = self.model_time_s(now_wall_s + self.delivery_s)
+        # The scheduler's clock is where its next step starts (or where it went idle): at
+        # or past ``until_s`` there is nothing to run, and a decision asks every candidate
+        # it simulates between two of its steps, so most calls skip the compiled one.
+        if until_s > self.scheduler.now_s:
+            self.scheduler.simulate(until_s=until_s)
 
     @property
     def time_scale(self) -> float:
