@@ -3,7 +3,9 @@
 Health follows each instance's beats: ``joining`` until its first ``live`` beat, ``live``
 while beats arrive, ``suspect`` after two missed intervals, ``dead`` after
 ``dead_after_s`` without a beat; ``draining`` / ``stopped`` when the worker says so.
-Only ``live`` instances receive new requests.
+Only ``live`` instances receive new requests. Silence is counted up to the newest beat
+the dispatcher has read (:meth:`ClusterView.read_beats_until`; up to now once its reads
+caught up): behind on the beat stream, it has heard nobody since then.
 
 Silence counts only while the dispatcher could have heard a beat: after it starts leading,
 reconnects, or its own reads failed, it calls :meth:`ClusterView.hear_again`, and no
