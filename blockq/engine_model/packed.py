@@ -111,37 +111,24 @@ class PackedScheduler:
                          spare_rows: int = 16, engine_used_blocks: int | None = None) -> PackedScheduler:
         """:meth:`restored` from columns: ``ids`` and ``values`` (int64, one row per id:
         prompt tokens, output target, computed, generated), the first ``num_running`` of
-        them running. Column by column in numpy, not row by row: a rebuild restores ~70
-        rows, and the per-row Python was most of it (docs/results/decisions-at-scale.md)."""
+        them running. In one compiled call (:func:`.packed_kernel.restore`), not row by row:
+        a rebuild restores ~70 rows, and the per-row Python was most of it
+        (docs/results/decisions-at-scale.md)."""
         num_rows = len(ids)
         packed = cls(config, latency_model, now_s, capacity=num_rows + spare_rows)
         if not num_rows:
             packed._set_queues(0, 0, config.num_gpu_blocks)
             return packed
-        prompt, given_target, computed, generated = values.T
-        target = np.minimum(given_target, config.max_model_len - prompt)
-        if not _rows_valid(ids, prompt, given_target, generated, target, config.max_model_len):
+        values = np.ascontiguousarray(values, np.int64)
+        num_admitted, free_blocks = (-1, 0) if not all(ids) or len(set(ids)) != num_rows else kernel.restore(
+            packed.requests, packed.times, values, num_running, packed._config_array, config.max_model_len,
+            config.num_gpu_blocks, -1 if engine_used_blocks is None else engine_used_blocks)
+        if num_admitted < 0:
             # Raises, naming the first bad row as the reference does.
             _check_rows(list(zip(ids, *values.T.tolist(), strict=True)), config.max_model_len)
-        computed = np.maximum(0, np.minimum(computed, prompt + generated - 1))
-        blocks = -(-computed // config.block_size)
-        free_blocks = config.num_gpu_blocks
-        if engine_used_blocks is not None:
-            free_blocks += max(0, int(blocks[:num_running].sum()) - engine_used_blocks)
-        # Running rows run, in order, while a slot and their blocks are free; from the first
-        # that does not fit, every row queues (nothing computed, no blocks).
-        fits = np.cumsum(blocks[:num_running]) <= free_blocks
-        num_admitted = min(config.max_num_seqs, num_running if fits.all() else int(np.argmin(fits)))
-        table = packed.requests
-        table[:num_rows, layout.PROMPT] = prompt
-        table[:num_rows, layout.TARGET] = target
-        table[:num_admitted, layout.COMPUTED] = computed[:num_admitted]
-        table[:num_rows, layout.GENERATED] = generated
-        table[:num_admitted, layout.BLOCKS] = blocks[:num_admitted]
-        packed.times[:num_rows, layout.ARRIVAL] = 0.0
+            raise ValueError("restored rows: refused by the kernel's checks")  # the two disagree: a bug
         packed.request_ids.extend(ids)
-        packed._set_queues(num_admitted, num_rows - num_admitted,
-                           free_blocks - int(blocks[:num_admitted].sum()))
+        packed._set_queues(num_admitted, num_rows - num_admitted, free_blocks)
         return packed
 
     def clone(self) -> PackedScheduler:
@@ -362,6 +349,7 @@ def warm_up() -> None:
     future.simulate()
     scheduler.what_if(40, 20, scheduler.now_s, future.times[:, layout.FINISHED].copy())
     scheduler.first_token_if(40, 20, scheduler.now_s)
+    PackedScheduler.restored(preset.config, preset.latency_model, 0.0, [("warm-up-r", 40, 20, 10, 1)], [])
     # A replica rebuild's length targets are compiled too (blockq.lengths.remaining_targets).
     from blockq.lengths_kernel import quantiles_above
     quantiles_above(np.zeros(1), np.ones(1), np.ones(1, np.int64), 0.5, np.empty(1))
@@ -377,14 +365,6 @@ def _latency_arrays(latency_model: StepLatencyModel) -> tuple[np.ndarray, np.nda
                              latency_model.tail_slope_s])
     return coefficients, np.array(latency_model.linear_table_s)
 
-
-
-def _rows_valid(ids: Sequence[str], prompt: np.ndarray, given_target: np.ndarray, generated: np.ndarray,
-                target: np.ndarray, max_model_len: int) -> bool:
-    """Whether every restored row passes :func:`_checked_target`'s checks (all at once)."""
-    return (all(ids) and len(set(ids)) == len(ids) and bool(prompt.min() >= 1)
-            and bool(prompt.max() < max_model_len) and bool(given_target.min() >= 1)
-            and bool(generated.min() >= 0) and bool((generated < target).all()))
 
 
 def _check_rows(rows: Sequence[RestoredRow], max_model_len: int) -> None:
