@@ -179,6 +179,12 @@ class DispatcherCore:
         """Silence before ``now_s`` makes no instance dead (:meth:`ClusterView.hear_again`)."""
         self.view.hear_again(now_s)
 
+    def read_beats_until(self, heard_at_s: float | None) -> None:
+        """Every beat that reached the bus before ``heard_at_s`` was read (None: every beat,
+        the read caught up); silence is counted up to there
+        (:meth:`ClusterView.read_beats_until`)."""
+        self.view.read_beats_until(heard_at_s)
+
     def refresh_health(self, now_s: float) -> list[str]:
         """Update health from beat ages; the ids of instances that just left (became
         ``dead``, or were first seen ``stopped``) or started draining: their queues (a
@@ -264,7 +270,8 @@ class DispatcherCore:
             if not live:  # answered at once: waiting would not make the model appear
                 self.stats.num_rejected += 1
                 return Rejected(request, f"{MODEL_NOT_SERVED}: no live instance serves the model {request.model!r}")
-        candidates = eligible_candidates(request, live) if live else []
+        candidates = eligible_candidates(request, live, any_batch_work=bool(self.view.batch_instance_ids)) \
+            if live else []
         if not candidates:  # batch work waits for idle capacity; so does everything with no instance
             self.stats.num_held += 1
             return Held(request)

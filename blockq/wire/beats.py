@@ -266,6 +266,10 @@ class ProgressList(Sequence[RequestProgress]):
             return list(map(itemgetter(position), self._raw))
         return [item[position] for item in self._made()]
 
+    def values(self) -> Sequence[Sequence[Any]]:
+        """The entries as decoded lists (6 or 8 values), or as entries once made."""
+        return self._raw if self._raw is not None else self._made()
+
     def __len__(self) -> int:
         return len(self._raw) if self._raw is not None else len(self._made())
 
@@ -285,6 +289,15 @@ class ProgressList(Sequence[RequestProgress]):
 
     def __repr__(self) -> str:
         return repr(self._made())
+
+
+def progress_values(progress: Sequence[RequestProgress]) -> Sequence[Sequence[Any]]:
+    """A beat's list entry by entry as :class:`RequestProgress` fields in order (a decoded
+    one's entries as decoded, 6 or 8 values, without making them into entries: a replica
+    rebuild reads every entry once)."""
+    if isinstance(progress, ProgressList):
+        return progress.values()
+    return progress
 
 
 def progress_column(progress: Sequence[RequestProgress], position: int) -> list[Any]:
