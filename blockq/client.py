@@ -72,6 +72,7 @@ class SubmitSpec:
     true_output_tokens: int | None = None
     trace_predicted_output_tokens: int | None = None
     trace_output_text: str | None = None
+    model: str | None = None     # a base model or LoRA adapter the fleet serves; None: any instance
 
 
 def build_request(spec: SubmitSpec, settings: Settings) -> Request:
@@ -86,7 +87,7 @@ def build_request(spec: SubmitSpec, settings: Settings) -> Request:
         best_effort=spec.best_effort, ignore_eos=spec.ignore_eos, min_tokens=spec.min_tokens, tenant=spec.tenant,
         num_turns=spec.num_turns, true_output_tokens=spec.true_output_tokens,
         trace_predicted_output_tokens=spec.trace_predicted_output_tokens,
-        trace_output_text=spec.trace_output_text,
+        trace_output_text=spec.trace_output_text, model=spec.model,
     )
     # Round-trip through the validator so a client never enqueues what a stage would reject.
     return Request.from_map(request.to_map(), settings.limits)

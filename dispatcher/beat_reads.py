@@ -100,7 +100,11 @@ class BeatFollower:
         payload_field = PAYLOAD_FIELD.encode()
         for entry_id, fields in entries:
             self._apply_entry(entry_id.decode(), fields.get(payload_field), now_s, redis_now_ms)
-        return len(entries) < READ_COUNT
+        caught_up = len(entries) < READ_COUNT
+        # Behind the stream, no instance was heard after the last beat read: silence is
+        # counted up to there, so that a leader behind on beats still places (on older ones).
+        self.core.read_beats_until(None if caught_up else now_s - self._age_s(self.last_beat_id, redis_now_ms))
+        return caught_up
 
     async def _read_registry(self, client: aioredis.Redis) -> None:
         """Seed the view with every instance of the registry, and start the stream at the
@@ -121,7 +125,7 @@ class BeatFollower:
 
     def _apply_entry(self, entry_id: str, payload: bytes | None, now_s: float, redis_now_ms: int) -> None:
         self.last_beat_id = entry_id
-        age_s = max(0, redis_now_ms - int(entry_id.split("-", 1)[0])) / 1000
+        age_s = self._age_s(entry_id, redis_now_ms)
         try:
             if payload is None:
                 raise KeyError(f"entry has no '{PAYLOAD_FIELD}' field")
@@ -132,6 +136,11 @@ class BeatFollower:
         rejection = self.core.apply_heartbeat(beat, now_s, heard_at_s=now_s - age_s)
         if rejection is not None:
             self._log_rejected(rejection, beat.instance_id, entry_id)
+
+    @staticmethod
+    def _age_s(entry_id: str, redis_now_ms: int) -> float:
+        """How long before ``redis_now_ms`` the beat stream's entry ``entry_id`` reached Redis."""
+        return max(0, redis_now_ms - int(entry_id.split("-", 1)[0])) / 1000
 
     def _log_rejected(self, rejection: BeatRejection, instance_id: str | None, entry_id: str | None) -> None:
         # An unexpected failure keeps its traceback: it is a bug, or a value nothing checks yet.

@@ -3,7 +3,9 @@
 Health follows each instance's beats: ``joining`` until its first ``live`` beat, ``live``
 while beats arrive, ``suspect`` after two missed intervals, ``dead`` after
 ``dead_after_s`` without a beat; ``draining`` / ``stopped`` when the worker says so.
-Only ``live`` instances receive new requests.
+Only ``live`` instances receive new requests. Silence is counted up to the newest beat
+the dispatcher has read (:meth:`ClusterView.read_beats_until`; up to now once its reads
+caught up): behind on the beat stream, it has heard nobody since then.
 
 Silence counts only while the dispatcher could have heard a beat: after it starts leading,
 reconnects, or its own reads failed, it calls :meth:`ClusterView.hear_again`, and no
@@ -34,8 +36,9 @@ from blockq.lengths import check_length_mode
 from blockq.text.block_hashes import PROJECT_SCHEME, PrefixScheme
 from blockq.text.model_tokenizer import PROJECT_TOKENIZER
 from blockq.wire.beats import Heartbeat, progress_column
-from blockq.wire.health import HealthPolicy, InstanceState
+from blockq.wire.health import HealthPolicy, InstanceState, silence_s
 from blockq.wire.protocol import Request
+from blockq.wire.served_models import adapter_names, serves
 from dispatcher.prefix_index import PrefixIndex
 from dispatcher.replica import InstanceReplica
 
@@ -107,16 +110,32 @@ class ClusterView:
         self.keep_replicas = keep_replicas
         self.lengths = check_length_mode(lengths)
         self.audible_since_s = float("-inf")
+        # Every beat that reached the bus before this was read (inf: all of them, up to now).
+        self.read_until_s = float("inf")
         self.prior_latency_model = prior_latency_model or get_preset(PRIOR_PRESET).latency_model
         self.prefix_scheme = prefix_scheme
         self.num_replica_rebuilds = 0  # replicas built or rebuilt from a beat, since start
+        # Instances that may hold batch work not finished (a superset of those whose
+        # batch_request_ids is not empty): while it is empty, no candidate list needs
+        # filtering for batch work (dispatcher.priority), which at 1,024 instances was a
+        # pass over the fleet per decision.
+        self.batch_instance_ids: set[str] = set()
         self._live: list[InstanceView] | None = None  # live_instances(), until health changes
+        # serving(): model -> (the live list it filtered, the instances serving the model);
+        # cleared when an instance's served names change.
+        self._serving: dict[str, tuple[list[InstanceView], list[InstanceView]]] = {}
 
     def hear_again(self, now_s: float) -> None:
         """The dispatcher can hear beats from ``now_s`` on (it starts leading, reconnected,
         or its reads failed until now): silence before ``now_s`` no longer makes an
         instance dead (see the module docstring)."""
         self.audible_since_s = max(self.audible_since_s, now_s)
+
+    def read_beats_until(self, heard_at_s: float | None) -> None:
+        """The dispatcher has read every beat that reached the bus before ``heard_at_s``
+        (None: all of them, its read caught up): instances' silence is counted up to there
+        (:func:`blockq.wire.health.silence_s`)."""
+        self.read_until_s = float("inf") if heard_at_s is None else heard_at_s
 
     def _latency_model(self, beat: Heartbeat) -> StepLatencyModel:
         """The latency model an instance publishes, else its preset's, else the prior."""
@@ -185,6 +204,8 @@ class ClusterView:
                 self.instances.pop(beat.instance_id, None)
             else:
                 self.instances[beat.instance_id] = saved
+                if saved.batch_request_ids:
+                    self.batch_instance_ids.add(saved.instance_id)
             self._live = None
             raise
 
@@ -193,6 +214,9 @@ class ClusterView:
             view = InstanceView(beat.instance_id, beat, heard_at_s)
             self.instances[beat.instance_id] = view
             self._live = None
+        if view.heartbeat is not beat and (view.heartbeat.model != beat.model or adapter_names(
+                view.heartbeat.engine_config) != adapter_names(beat.engine_config)):
+            self._serving.clear()
         view.heartbeat = beat
         view.last_beat_at_s = heard_at_s
         view.heard = True
@@ -263,8 +287,7 @@ class ClusterView:
         view.replica_beat = view.heartbeat
         self.num_replica_rebuilds += 1
 
-    @staticmethod
-    def _reconcile(view: InstanceView, beat: Heartbeat) -> None:
+    def _reconcile(self, view: InstanceView, beat: Heartbeat) -> None:
         if not view.assigned_not_seen and not view.batch_request_ids:
             return
         seen = set(progress_column(beat.running, 0))
@@ -273,6 +296,8 @@ class ClusterView:
         for request_id in seen & view.assigned_not_seen.keys():
             del view.assigned_not_seen[request_id]
         view.batch_request_ids.difference_update(beat.finished_ids)
+        if not view.batch_request_ids:
+            self.batch_instance_ids.discard(view.instance_id)
 
     def refresh_health(self, now_s: float) -> list[InstanceView]:
         """Update health from beat ages; returns the instances whose queues are to be
@@ -294,8 +319,9 @@ class ClusterView:
         return newly_gone
 
     def _classify(self, view: InstanceView, now_s: float) -> str:
-        health = self.health_policy.classify(view.heartbeat.state, now_s - view.last_beat_at_s)
-        audible_for_s = now_s - max(view.last_beat_at_s, self.audible_since_s)
+        health = self.health_policy.classify(view.heartbeat.state,
+                                             silence_s(view.last_beat_at_s, now_s, self.read_until_s))
+        audible_for_s = silence_s(max(view.last_beat_at_s, self.audible_since_s), now_s, self.read_until_s)
         if health == InstanceState.DEAD and audible_for_s <= self.health_policy.dead_after_s:
             return InstanceState.SUSPECT  # silent, but not for long enough that the dispatcher could tell
         return health
@@ -318,6 +344,7 @@ class ClusterView:
             view.prefix_index.record(request.prompt_block_hashes)
         if request.priority == "batch":
             view.batch_request_ids.add(request.id)
+            self.batch_instance_ids.add(instance_id)
 
     def live_instances(self) -> list[InstanceView]:
         """Instances that may receive new requests, in a stable (id) order (the same list
@@ -327,9 +354,28 @@ class ClusterView:
                                 key=lambda v: v.instance_id)
         return self._live
 
+    def serving(self, model: str | None, live: list[InstanceView]) -> list[InstanceView]:
+        """The instances of ``live`` that serve ``model`` (its base model or one of its
+        adapters: :func:`blockq.wire.served_models.serves`); ``live`` itself when every one
+        does (policies keep what they derive from a candidate list while it is the same
+        list), and the same list for the same ``live`` list until served names change.
+        This is the one place requests are kept to their model: before any policy chooses,
+        live and simulated alike."""
+        if model is None:
+            return live
+        cached = self._serving.get(model)
+        if cached is not None and cached[0] is live:
+            return cached[1]
+        serving = [view for view in live if serves(view.heartbeat, model)]
+        if len(serving) == len(live):
+            serving = live
+        self._serving[model] = (live, serving)
+        return serving
+
     def forget(self, instance_ids: Iterable[str]) -> None:
         for instance_id in instance_ids:
             self.instances.pop(instance_id, None)
+            self.batch_instance_ids.discard(instance_id)
         self._live = None
 
 
@@ -351,8 +397,12 @@ def _saved(view: InstanceView | None) -> InstanceView | None:
     next decision rebuilds it from the restored beat)."""
     if view is None:
         return None
-    return replace(view, assigned_not_seen=dict(view.assigned_not_seen),
-                   batch_request_ids=set(view.batch_request_ids), replica=None, replica_beat=None)
+    # A field-for-field copy, not dataclasses.replace (which runs __init__): every beat
+    # applied pays for it.
+    saved = object.__new__(InstanceView)
+    saved.__dict__.update(view.__dict__, assigned_not_seen=dict(view.assigned_not_seen),
+                          batch_request_ids=set(view.batch_request_ids), replica=None, replica_beat=None)
+    return saved
 
 
 def _indexes_prefixes(beat: Heartbeat, scheme: PrefixScheme) -> bool:

@@ -29,6 +29,8 @@ from dispatcher.priority import eligible_candidates
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 
 NUM_ANSWERED_SIZES = 2000
+# The reason a request naming a model no live instance serves is refused with.
+MODEL_NOT_SERVED = "model_not_served"
 # The ``correct`` fallback scales an untrusted replica's steps by (measured / forecast)
 # to this power per verdict (see DispatcherCore.observe_answer).
 CORRECTION_DAMPING = 0.5
@@ -177,6 +179,12 @@ class DispatcherCore:
         """Silence before ``now_s`` makes no instance dead (:meth:`ClusterView.hear_again`)."""
         self.view.hear_again(now_s)
 
+    def read_beats_until(self, heard_at_s: float | None) -> None:
+        """Every beat that reached the bus before ``heard_at_s`` was read (None: every beat,
+        the read caught up); silence is counted up to there
+        (:meth:`ClusterView.read_beats_until`)."""
+        self.view.read_beats_until(heard_at_s)
+
     def refresh_health(self, now_s: float) -> list[str]:
         """Update health from beat ages; the ids of instances that just left (became
         ``dead``, or were first seen ``stopped``) or started draining: their queues (a
@@ -257,7 +265,13 @@ class DispatcherCore:
 
     def _place_one(self, request: Request, live: list[InstanceView], now_s: float, bus_now_s: float | None, *,
                    admit: bool = True) -> Outcome:
-        candidates = eligible_candidates(request, live) if live else []
+        if live and request.model is not None:
+            live = self.view.serving(request.model, live)
+            if not live:  # answered at once: waiting would not make the model appear
+                self.stats.num_rejected += 1
+                return Rejected(request, f"{MODEL_NOT_SERVED}: no live instance serves the model {request.model!r}")
+        candidates = eligible_candidates(request, live, any_batch_work=bool(self.view.batch_instance_ids)) \
+            if live else []
         if not candidates:  # batch work waits for idle capacity; so does everything with no instance
             self.stats.num_held += 1
             return Held(request)

@@ -38,12 +38,16 @@ def has_idle_capacity(view: InstanceView) -> bool:
     return view.num_free_blocks >= BATCH_MIN_FREE_KV_FRACTION * num_blocks
 
 
-def eligible_candidates(request: Request, live: Sequence[InstanceView]) -> Sequence[InstanceView]:
+def eligible_candidates(request: Request, live: Sequence[InstanceView], *,
+                        any_batch_work: bool = True) -> Sequence[InstanceView]:
     """The instances ``request`` may go to now; empty means "hold it". An interactive
     request with no batch work in the way gets ``live`` itself (policies keep what they
-    derive from the candidate list while it is the same list)."""
+    derive from the candidate list while it is the same list). ``any_batch_work``: false
+    when the caller knows no instance holds batch work (no pass over ``live`` then)."""
     if request.priority == "batch":
         return [v for v in live if has_idle_capacity(v)]
+    if not any_batch_work:
+        return live
     clear = [v for v in live if not has_waiting_batch(v)]
     if len(clear) == len(live):
         return live

@@ -31,11 +31,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from blockq.engine_model import EngineConfig, StepLatencyModel, StepSample
-from blockq.engine_model.packed import PackedScheduler, RestoredRow
+from blockq.engine_model.packed import PackedScheduler
 from blockq.engine_model.packed_layout import FINISHED
 from blockq.forecast_check import scaled_latency_model
-from blockq.lengths import LengthBelief, belief_from_prediction, check_length_mode
-from blockq.wire.beats import Heartbeat, RequestProgress
+from blockq.lengths import (
+    LengthBelief,
+    belief_from_prediction,
+    check_length_mode,
+    remaining_targets,
+)
+from blockq.wire.beats import Heartbeat, progress_values
 from blockq.wire.protocol import Request
 from dispatcher.prefix_index import PrefixIndex
 
@@ -171,10 +176,9 @@ class InstanceReplica:
         # With prefix caching, running requests of one conversation hold its earlier turns'
         # blocks once: the engine's count tells the replica how many its rows share.
         shares_blocks = self.prefix_index is not None and not beat.truncated
-        scheduler = PackedScheduler.restored(
-            self.config, self._simulated_latency_model(), state_at_s, self._restored_rows(beat.running),
-            self._restored_rows(beat.waiting), spare_rows=SPARE_ROWS,
-            engine_used_blocks=beat.num_used_blocks if shares_blocks else None)
+        scheduler = PackedScheduler.restored_columns(
+            self.config, self._simulated_latency_model(), state_at_s, *self._restored_columns(beat),
+            spare_rows=SPARE_ROWS, engine_used_blocks=beat.num_used_blocks if shares_blocks else None)
         self.scheduler = scheduler
         self.advance(now_wall_s)
         rows = self._new_rows
@@ -187,7 +191,12 @@ class InstanceReplica:
         changes), and through every step that starts before a request placed now reaches
         the engine (:attr:`delivery_s`)."""
         self.now_s = self.model_time_s(now_wall_s)
-        self.scheduler.simulate(until_s=self.model_time_s(now_wall_s + self.delivery_s))
+        until_s = self.model_time_s(now_wall_s + self.delivery_s)
+        # The scheduler's clock is where its next step starts (or where it went idle): at
+        # or past ``until_s`` there is nothing to run, and a decision asks every candidate
+        # it simulates between two of its steps, so most calls skip the compiled one.
+        if until_s > self.scheduler.now_s:
+            self.scheduler.simulate(until_s=until_s)
 
     @property
     def time_scale(self) -> float:
@@ -276,28 +285,42 @@ class InstanceReplica:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _restored_rows(self, progress: Iterable[RequestProgress]) -> list[RestoredRow]:
-        """The beat's requests as the packed scheduler restores them, with output targets
-        from this replica's beliefs."""
-        rows = []
-        max_model_len, beliefs, lengths = self.config.max_model_len, self.beliefs, self.lengths
-        for item in progress:
-            if item.refined_at_tokens is not None and lengths != "truth":
-                # Refined from the partial output: it knows more than the first guess.
-                belief = _belief_in_beat(item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
-            else:
-                belief = beliefs.get(item.request_id) or _belief_in_beat(
-                    item.predicted_output_tokens, item.p10_tokens, item.p90_tokens)
-            prompt_tokens = min(item.prompt_tokens, max_model_len - 1)
-            if not item.num_computed_tokens and (placed := self._new_rows.get(item.request_id)) is not None:
+    def _restored_columns(self, beat: Heartbeat) -> tuple[list[str], np.ndarray, int]:
+        """The beat's requests as :meth:`PackedScheduler.restored_columns` restores them
+        (ids; prompt, output target, computed, generated; how many run), with output
+        targets from this replica's beliefs. Column by column: a rebuild restores ~70
+        requests, and a pass of Python per request was most of its cost."""
+        entries = [*progress_values(beat.running), *progress_values(beat.waiting)]
+        if not entries:
+            return [], np.zeros((0, 4), np.int64), 0
+        if min(map(len, entries)) < 8:  # entries of older workers: no p10, no refinement
+            entries = [entry if len(entry) >= 8 else (*entry, None, None) for entry in entries]
+        ids, prompts, computed, generated, p50s, p90s, p10s, refined_at = zip(*entries, strict=True)
+        beliefs = list(map(_belief_in_beat, p50s, p10s, p90s))
+        if self.beliefs:
+            # A request placed here keeps the belief it was placed with, unless the worker
+            # refined it from its partial output since (that knows more than the first guess).
+            refined_counts = self.lengths != "truth"
+            for row, own in enumerate(map(self.beliefs.get, ids)):
+                if own is not None and (refined_at[row] is None or not refined_counts):
+                    beliefs[row] = own
+        max_model_len = self.config.max_model_len
+        values = np.array([prompts, [0] * len(ids), computed, generated], np.int64).T
+        prompt, computed_tokens, generated_tokens = values[:, 0], values[:, 2], values[:, 3]
+        np.minimum(prompt, max_model_len - 1, out=prompt)
+        for row in np.flatnonzero(computed_tokens == 0).tolist():
+            if (placed := self._new_rows.get(ids[row])) is not None:
                 # Not started yet: it will find cached what it was predicted to when placed
                 # here (a beat does not say), as its row did before the beat showed it.
-                prompt_tokens = min(prompt_tokens, placed[1])
-            target = min(belief.remaining_target(item.num_generated_tokens, lengths), max_model_len - prompt_tokens)
-            if item.num_generated_tokens >= target:
-                continue  # at its length limit: finishes on its next token, nothing to model
-            rows.append((item.request_id, prompt_tokens, target, item.num_computed_tokens, item.num_generated_tokens))
-        return rows
+                prompt[row] = min(prompt[row], placed[1])
+        values[:, 1] = np.minimum(remaining_targets(beliefs, generated_tokens, self.lengths), max_model_len - prompt)
+        # At its length limit, a request finishes on its next token: nothing to model.
+        keep = generated_tokens < values[:, 1]
+        num_running = int(keep[:len(beat.running)].sum())
+        if keep.all():
+            return list(ids), values, num_running
+        return [request_id for request_id, kept in zip(ids, keep.tolist(), strict=True) if kept], values[keep], \
+            num_running
 
     def _observe_samples(self, beat: Heartbeat) -> None:
         for sample in beat.step_samples:

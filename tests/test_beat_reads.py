@@ -38,3 +38,21 @@ async def test_a_step_reads_one_batch_of_beats_and_still_places(settings: Settin
     assert dispatcher.core.stats.num_beats_applied == READ_COUNT + 10
     await dispatcher.release_lease()
     await dispatcher.client.aclose()
+
+
+async def test_a_leader_behind_on_beats_still_places_on_the_beats_it_read(settings: Settings,
+                                                                          sync_redis: redis.Redis) -> None:
+    dispatcher = await leader(settings)
+    pipe = sync_redis.pipeline(transaction=False)
+    for k in range(READ_COUNT + 10):
+        pipe.xadd(settings.keys.heartbeats, {PAYLOAD_FIELD: encode(make_heartbeat(f"i{k:04d}"))})
+    pipe.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(make_request())})
+    pipe.execute()
+    # By the time the leader reads them, the beats are older than two beat intervals: counted
+    # against now, every instance would be suspect and the request held. It has heard nobody
+    # since the last beat it read, so their silence counts up to there.
+    await asyncio.sleep(3 * dispatcher.view.health_policy.suspect_after_s)
+    assert await dispatcher.step() == 1
+    assert dispatcher.core.stats.num_beats_applied == READ_COUNT
+    await dispatcher.release_lease()
+    await dispatcher.client.aclose()

@@ -31,11 +31,11 @@ def final_for(request_id: str, index: int, text: str) -> FinalRecord:
 
 def test_submit_writes_a_valid_request(settings: Settings, sync_redis: redis.Redis) -> None:
     with Client(settings=settings) as client:
-        handle = client.submit("hello", max_tokens=8, priority="batch", tenant="acme")
+        handle = client.submit("hello", max_tokens=8, priority="batch", tenant="acme", model="sql-lora")
     ((_, fields),) = sync_redis.xrange(settings.keys.requests)
     request = decode_request(fields[PAYLOAD_FIELD.encode()])
     assert request.id == handle.id
-    assert (request.max_tokens, request.priority, request.tenant) == (8, "batch", "acme")
+    assert (request.max_tokens, request.priority, request.tenant, request.model) == (8, "batch", "acme", "sql-lora")
     assert request.reply_stream == settings.keys.reply(handle.id)
 
 

@@ -66,3 +66,24 @@ def test_an_assignment_to_a_stale_replica_is_added_at_its_rebuild() -> None:
     replica = view.replica(a, NOW_S + 0.1)
     assert request.id in replica.scheduler.request_ids
     assert request.id in replica.beliefs
+
+
+def test_a_reader_behind_on_beats_counts_silence_only_up_to_the_last_beat_read() -> None:
+    view = ClusterView()
+    view.apply_heartbeat(make_heartbeat("a", seq=1, sent_at_s=NOW_S), NOW_S)
+    view.apply_heartbeat(make_heartbeat("b", seq=1, sent_at_s=NOW_S), NOW_S, heard_at_s=NOW_S - 0.05)
+    # Two seconds later, the last read reached only the beats of NOW_S: nobody was heard
+    # after that, so nobody is suspect for it.
+    view.read_beats_until(NOW_S)
+    view.refresh_health(NOW_S + 2.0)
+    assert [v.instance_id for v in view.live_instances()] == ["a", "b"]
+    # Once a read catches up, the same silence is real.
+    view.read_beats_until(None)
+    view.refresh_health(NOW_S + 2.0)
+    assert view.live_instances() == []
+    assert {v.health for v in view.instances.values()} == {"suspect"}
+    # A reader behind still sees an instance whose last beat is older than the others' as silent.
+    view.apply_heartbeat(make_heartbeat("a", seq=2, sent_at_s=NOW_S + 3.0), NOW_S + 3.0)
+    view.read_beats_until(NOW_S + 3.0)
+    view.refresh_health(NOW_S + 9.0)
+    assert view.instances["a"].health == "live" and view.instances["b"].health == "suspect"

@@ -505,3 +505,26 @@ def test_json_depth_check_of_hostile_4_mib_bodies_takes_milliseconds() -> None:
         with contextlib.suppress(ValidationError):
             check_json_depth(text, 32)
         assert time.perf_counter() - started_s < 0.15, text[:40]
+
+
+async def test_models_list_what_the_fleet_serves_and_requests_carry_the_name(
+        answered: TestClient, settings: Settings, sync_redis: Any) -> None:
+    """``/v1/models`` lists the gateway's names, then every base model and LoRA adapter live
+    instances publish; a request naming one of those carries it to the dispatcher, one
+    naming the gateway's own name carries none (any instance)."""
+    from tests.factories import make_heartbeat
+
+    beat = make_heartbeat("inst-7")
+    beat = dataclasses.replace(beat, model="mistral-7b", engine_config={
+        **beat.engine_config, "lora_adapters": ["sql", "poems"], "loaded_loras": ["sql"], "max_loras": 2})
+    gone = dataclasses.replace(make_heartbeat("inst-8", state="stopped"), model="retired-model")
+    sync_redis.hset(settings.keys.instances, mapping={"inst-7": encode(beat), "inst-8": encode(gone)})
+    models = await (await answered.get("/v1/models", headers=AUTH)).json()
+    assert [m["id"] for m in models["data"]] == ["blockq", "mistral-7b", "poems", "sql"]
+    for model in ("sql", "blockq", "mistral-7b"):
+        response = await answered.post("/v1/completions", headers=AUTH, json={"model": model, "prompt": "p"})
+        assert response.status == 200 and (await response.json())["model"] == model
+    response = await answered.post("/v1/completions", headers=AUTH, json={"model": "retired-model", "prompt": "p"})
+    assert response.status == 404
+    submitted = [decode_request(f[PAYLOAD_FIELD.encode()]) for _, f in sync_redis.xrange(settings.keys.requests)]
+    assert [r.model for r in submitted] == ["sql", None, "mistral-7b"]

@@ -212,3 +212,30 @@ def test_snapshots_encode_as_the_scheduler_sends_them() -> None:
     assert snapshot.running == (("x-1", 40, 3, 0),)
     assert snapshot.waiting == (("z-3", 16, 0, 1), ("y-2", 0, 0, 0))  # block holders are admitted first
     assert snapshot.used_blocks == 3 and snapshot.num_steps == 4  # 10 - 6 free - the null block
+
+
+def test_lora_options_reach_vllm_and_the_beat_names_the_adapters() -> None:
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    options = VllmEngineOptions(model="m", lora_modules=(("sql", "/a"), ("poems", "/b")), max_loras=1,
+                                served_model_name="base")
+    args = options.engine_args()
+    assert (args["enable_lora"], args["max_loras"], args["max_cpu_loras"]) == (True, 1, 1)
+    assert "enable_lora" not in VllmEngineOptions(model="m").engine_args()
+    with pytest.raises(ValueError, match="lora_modules"):
+        VllmEngineOptions(model="m", lora_modules=(("sql", "/a"), ("sql", "/b")))
+    engine = VllmEngine(options, engine=EngineDouble(), params_factory=lambda s: None)
+    assert engine.model == "base"
+    assert "gpt-9" in (engine.validate(replace(spec("a"), model="gpt-9")) or "")
+    assert engine.validate(replace(spec("a"), model="sql")) is None
+    assert engine.validate(replace(spec("a"), model="base")) is None
+    assert engine.engine_config()["lora_adapters"] == ["sql", "poems"] and engine.engine_config()["loaded_loras"] == []
+    for running in ({"sql": 2}, {"poems": 1}):  # one resident at a time (max_loras 1): the latest running
+        engine.stats.record(SimpleNamespace(
+            num_running_reqs=2, num_waiting_reqs=1, num_skipped_waiting_reqs=0, kv_cache_usage=0.1,
+            prefix_cache_stats=None, iteration_details=None, running_lora_adapters=running,
+            waiting_lora_adapters={"sql": 1}), None, 1000)
+    assert engine.engine_config()["loaded_loras"] == ["poems"]
+    stats = engine.engine_stats()
+    assert stats["running_lora_adapters"] == ["poems"] and stats["waiting_lora_adapters"] == ["sql"]

@@ -206,3 +206,37 @@ def test_admission_waits_for_the_whole_request_to_fit(model_dir: str) -> None:
                     if "r1" in dict(record.scheduled))
     last_r0 = max(record.step for record in result.vllm_records if "r0" in dict(record.scheduled))
     assert first_r1 > last_r0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_max_loras_rule_matches_vllms_scheduler(model_dir: str, seed: int) -> None:
+    """Requests of up to 6 adapters (and of none) on engines admitting 1-3 in a batch:
+    vLLM skips a waiting request whose adapter would be one too many, and so must the
+    engine model (blockq/engine_model/lora.py), step for step. Counted: that the rule did
+    skip requests (a step left waiting requests while a sequence slot was free)."""
+    import dataclasses
+
+    rng = random.Random(f"lora-{seed}")
+    num_runs, num_constrained = 0, 0
+    for _ in range(60):
+        config = dataclasses.replace(random_config(rng), max_loras=rng.randint(1, 3), enable_prefix_caching=False)
+        specs = [dataclasses.replace(spec, lora_id=rng.choice([0, 1, 2, 3, 4, 5, 6]))
+                 for spec in random_specs(rng, config)]
+        result = run_both(config, specs, model_dir)
+        _assert_same(result)
+        num_runs += 1
+        num_constrained += any(r.num_waiting and r.num_running < config.max_num_seqs for r in result.vllm_records)
+    assert num_runs == 60 and num_constrained >= 10, num_constrained
+
+
+def test_a_second_adapter_waits_while_max_loras_is_reached(model_dir: str) -> None:
+    """Hand-built: with max_loras 1, vLLM admits r0 and r2 (adapter 1) past r1 (adapter 2),
+    which waits until adapter 1's requests are done; the engine model does the same."""
+    config = EngineConfig(num_gpu_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                          max_model_len=256, watermark=0.0, max_loras=1)
+    specs = [RequestSpec(f"r{i}", 0, tuple(range(100, 120)), tuple(range(200, 204)), lora_id=lora)
+             for i, lora in enumerate((1, 2, 1))]
+    result = run_both(config, specs, model_dir)
+    _assert_same(result)
+    first = result.vllm_records[0]
+    assert [request_id for request_id, _ in first.scheduled] == ["r0", "r2"] and first.num_waiting == 1

@@ -49,6 +49,7 @@ class RequestSpec:
     arrival_step: int
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
+    lora_id: int = 0  # the LoRA adapter it runs with (0: none; vLLM's lora_int_id)
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,15 @@ class VllmSide:
 
         self.specs[spec.request_id] = spec
         params = SamplingParams(max_tokens=len(spec.output_token_ids), ignore_eos=True)
+        lora = {}
+        if spec.lora_id:
+            from vllm.lora.request import LoRARequest
+
+            lora["lora_request"] = LoRARequest(f"lora-{spec.lora_id}", spec.lora_id, "/unused")
         self.scheduler.add_request(Request(
             request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
             sampling_params=params, pooling_params=None, block_hasher=_block_hasher(
-                self.scheduler.block_size)))
+                self.scheduler.block_size), **lora))
 
     @property
     def has_requests(self) -> bool:
@@ -212,7 +218,7 @@ def _build_vllm_scheduler(config: EngineConfig, model_dir: str) -> Any:
 def _vllm_config(config: EngineConfig, model_dir: str) -> Any:
     """A VllmConfig as ``create_scheduler`` in vLLM's tests builds it (synchronous
     scheduling, chunked prefill on), with ``config``'s limits."""
-    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, LoRAConfig, SchedulerConfig, VllmConfig
 
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -223,8 +229,9 @@ def _vllm_config(config: EngineConfig, model_dir: str) -> Any:
     model_config = _model_config(model_dir, config.max_model_len)
     cache_config = CacheConfig(block_size=config.block_size,
                                enable_prefix_caching=config.enable_prefix_caching)
+    lora_config = LoRAConfig(max_loras=config.max_loras) if config.max_loras else None
     return VllmConfig(scheduler_config=scheduler_config, model_config=model_config,
-                      cache_config=cache_config)
+                      cache_config=cache_config, lora_config=lora_config)
 
 
 @lru_cache(maxsize=64)
@@ -262,7 +269,7 @@ class EngineSide:
                   if self.use_prefix_cache else ())
         self.scheduler.add_request(EngineRequest(
             spec.request_id, len(spec.prompt_token_ids), len(spec.output_token_ids),
-            prefix_block_hashes=hashes))
+            prefix_block_hashes=hashes, lora_id=spec.lora_id))
 
     @property
     def has_requests(self) -> bool:
@@ -343,7 +350,9 @@ def run_both(config: EngineConfig, specs: list[RequestSpec], model_dir: str,
     """
     vllm_side = VllmSide(config, model_dir)
     engine_side = EngineSide(config)
-    packed_side = PackedSide(config) if check_packed and not config.enable_prefix_caching else None
+    # The packed twin models neither prefix caching nor LoRA.
+    packed_side = (PackedSide(config) if check_packed and not config.enable_prefix_caching and not config.max_loras
+                   else None)
     pending = sorted(specs, key=lambda spec: spec.arrival_step)
     vllm_records: list[StepRecord] = []
     engine_records: list[StepRecord] = []

@@ -110,9 +110,15 @@ def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine
     from workers.engines.emulated import EmulatedEngine, EmulatedEngineOptions
 
     overrides = (("enable_prefix_caching", True),) if args.prefix_caching else ()
+    # The vLLM options that say what is served apply to the emulated engine too: its base
+    # model's name and the adapters it serves by name (their paths are not read).
+    adapters = tuple(name for name, _ in args.lora_modules)
+    if adapters:
+        overrides += (("max_loras", args.max_loras),)
     return EmulatedEngine(EmulatedEngineOptions(preset=args.preset, time_scale=args.time_scale,
                                                 noise_sigma=args.noise, seed=args.seed + index,
-                                                config_overrides=overrides))
+                                                config_overrides=overrides, model_name=args.served_model_name,
+                                                lora_adapters=adapters))
 
 
 def run(args: argparse.Namespace) -> int:

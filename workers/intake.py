@@ -101,4 +101,4 @@ def engine_spec(request: Request) -> EngineRequestSpec:
         min_tokens=request.min_tokens, true_output_tokens=request.true_output_tokens,
         predicted_output_tokens=prediction.predicted_output_tokens if prediction else None,
         p90_tokens=prediction.p90_tokens if prediction else None, prefix_block_hashes=request.prompt_block_hashes,
-        output_text=request.trace_output_text)
+        output_text=request.trace_output_text, model=request.model)

@@ -30,6 +30,11 @@ class EngineConfig:
     * ``long_prefill_token_threshold``: most tokens one request is scheduled in a step
       while other requests are running or waiting (vLLM's; 0 = no cap); at most
       ``max_model_len``.
+    * ``max_loras``: most distinct LoRA adapters in one step's batch, and adapters resident
+      on the GPU at once (vLLM's ``max_loras``; 0 = LoRA off). A waiting request whose
+      adapter would be one too many is skipped for the step, as vLLM does.
+    * ``lora_load_ms``: what loading an adapter that is not resident adds to the step that
+      first needs it (the engine model's charge; docs/dispatcher.md, "Models and adapters").
 
     The instance's hardware, published with every beat so that a policy can tell GPUs
     apart (``dispatcher.policies.hardware``); the scheduler does not read them:
@@ -52,6 +57,8 @@ class EngineConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = False
     long_prefill_token_threshold: int = 0
+    max_loras: int = 0
+    lora_load_ms: float = 0.0
     gpu: str = ""
     tensor_parallel_size: int = 1
     interconnect: str = "none"
@@ -78,6 +85,11 @@ class EngineConfig:
                 or not 0 <= threshold <= self.max_model_len:
             raise ValueError(f"long_prefill_token_threshold: must be an int in "
                              f"[0, max_model_len={self.max_model_len}] (got {threshold!r})")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras: must be an int >= 0 (got {self.max_loras!r})")
+        if isinstance(self.lora_load_ms, bool) or not isinstance(self.lora_load_ms, int | float) \
+                or not 0.0 <= self.lora_load_ms <= 60_000.0:
+            raise ValueError(f"lora_load_ms: must be a number of ms in [0, 60000] (got {self.lora_load_ms!r})")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens: must be >= max_num_seqs ({self.max_num_seqs}) "

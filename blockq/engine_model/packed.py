@@ -100,34 +100,35 @@ class PackedScheduler:
         Raises:
             ValueError: as :meth:`EngineScheduler.restore`, naming the field.
         """
-        max_model_len, block_size = config.max_model_len, config.block_size
-        free_blocks = config.num_gpu_blocks
-        if engine_used_blocks is not None:
-            num_held = sum(_held_blocks(row[1], row[3], row[4], block_size) for row in running)
-            free_blocks += max(0, num_held - engine_used_blocks)
-        seen: set[str] = set()
-        admitted: list[tuple[str, int, int, int, int, int]] = []   # id, prompt, target, computed, generated, blocks
-        queued: list[tuple[str, int, int, int, int, int]] = []
-        for rows, may_run in ((running, True), (waiting, False)):
-            for request_id, prompt_tokens, target_tokens, computed_tokens, generated_tokens in rows:
-                target_tokens = _checked_target(request_id, prompt_tokens, target_tokens, generated_tokens,
-                                                max_model_len, seen)
-                seen.add(request_id)
-                computed_tokens = _clipped_computed(prompt_tokens, computed_tokens, generated_tokens)
-                num_blocks = -(-computed_tokens // block_size)
-                if may_run and not queued and len(admitted) < config.max_num_seqs and num_blocks <= free_blocks:
-                    free_blocks -= num_blocks
-                    admitted.append((request_id, prompt_tokens, target_tokens, computed_tokens, generated_tokens,
-                                     num_blocks))
-                else:
-                    queued.append((request_id, prompt_tokens, target_tokens, 0, generated_tokens, 0))
-        rows = admitted + queued
-        packed = cls(config, latency_model, now_s, capacity=len(rows) + spare_rows)
-        if rows:
-            packed.requests[:len(rows)] = [(*row[1:], 0) for row in rows]
-            packed.times[:len(rows), layout.ARRIVAL] = 0.0
-            packed.request_ids.extend(row[0] for row in rows)
-        packed._set_queues(len(admitted), len(queued), free_blocks)
+        rows = [*running, *waiting]
+        values = np.array([row[1:] for row in rows], np.int64).reshape(len(rows), 4)
+        return cls.restored_columns(config, latency_model, now_s, [row[0] for row in rows], values, len(running),
+                                    spare_rows=spare_rows, engine_used_blocks=engine_used_blocks)
+
+    @classmethod
+    def restored_columns(cls, config: EngineConfig, latency_model: StepLatencyModel, now_s: float,
+                         ids: Sequence[str], values: np.ndarray, num_running: int, *,
+                         spare_rows: int = 16, engine_used_blocks: int | None = None) -> PackedScheduler:
+        """:meth:`restored` from columns: ``ids`` and ``values`` (int64, one row per id:
+        prompt tokens, output target, computed, generated), the first ``num_running`` of
+        them running. In one compiled call (:func:`.packed_kernel.restore`), not row by row:
+        a rebuild restores ~70 rows, and the per-row Python was most of it
+        (docs/results/decisions-at-scale.md)."""
+        num_rows = len(ids)
+        packed = cls(config, latency_model, now_s, capacity=num_rows + spare_rows)
+        if not num_rows:
+            packed._set_queues(0, 0, config.num_gpu_blocks)
+            return packed
+        values = np.ascontiguousarray(values, np.int64)
+        num_admitted, free_blocks = (-1, 0) if not all(ids) or len(set(ids)) != num_rows else kernel.restore(
+            packed.requests, packed.times, values, num_running, packed._config_array, config.max_model_len,
+            config.num_gpu_blocks, -1 if engine_used_blocks is None else engine_used_blocks)
+        if num_admitted < 0:
+            # Raises, naming the first bad row as the reference does.
+            _check_rows(list(zip(ids, *values.T.tolist(), strict=True)), config.max_model_len)
+            raise ValueError("restored rows: refused by the kernel's checks")  # the two disagree: a bug
+        packed.request_ids.extend(ids)
+        packed._set_queues(num_admitted, num_rows - num_admitted, free_blocks)
         return packed
 
     def clone(self) -> PackedScheduler:
@@ -348,6 +349,10 @@ def warm_up() -> None:
     future.simulate()
     scheduler.what_if(40, 20, scheduler.now_s, future.times[:, layout.FINISHED].copy())
     scheduler.first_token_if(40, 20, scheduler.now_s)
+    PackedScheduler.restored(preset.config, preset.latency_model, 0.0, [("warm-up-r", 40, 20, 10, 1)], [])
+    # A replica rebuild's length targets are compiled too (blockq.lengths.remaining_targets).
+    from blockq.lengths_kernel import quantiles_above
+    quantiles_above(np.zeros(1), np.ones(1), np.ones(1, np.int64), 0.5, np.empty(1))
 
 
 @lru_cache(maxsize=256)
@@ -360,6 +365,14 @@ def _latency_arrays(latency_model: StepLatencyModel) -> tuple[np.ndarray, np.nda
                              latency_model.tail_slope_s])
     return coefficients, np.array(latency_model.linear_table_s)
 
+
+
+def _check_rows(rows: Sequence[RestoredRow], max_model_len: int) -> None:
+    """:func:`_checked_target` row by row: raises for the first row that fails."""
+    seen: set[str] = set()
+    for request_id, prompt_tokens, target_tokens, _, generated_tokens in rows:
+        _checked_target(request_id, prompt_tokens, target_tokens, generated_tokens, max_model_len, seen)
+        seen.add(request_id)
 
 def _checked_target(request_id: str, prompt_tokens: int, target_tokens: int, generated_tokens: int,
                     max_model_len: int, seen: set[str]) -> int:
@@ -382,16 +395,6 @@ def _checked_target(request_id: str, prompt_tokens: int, target_tokens: int, gen
         raise ValueError(f"num_generated_tokens: must be < output_target_tokens "
                          f"({target_tokens} after clipping to max_model_len)")
     return target_tokens
-
-
-def _clipped_computed(prompt_tokens: int, computed_tokens: int, generated_tokens: int) -> int:
-    """A restored row's computed tokens: at most its known tokens - 1 (the last is sampled)."""
-    return max(0, min(computed_tokens, prompt_tokens + generated_tokens - 1))
-
-
-def _held_blocks(prompt_tokens: int, computed_tokens: int, generated_tokens: int, block_size: int) -> int:
-    """The KV blocks a restored running row holds."""
-    return -(-_clipped_computed(prompt_tokens, computed_tokens, generated_tokens) // block_size)
 
 
 def _nan_if_none(value: float | None) -> float:

@@ -17,6 +17,8 @@ from numba import njit
 from blockq.engine_model.packed_layout import (
     ARRIVAL,
     BLOCK_SIZE,
+    BLOCKS,
+    COMPUTED,
     FINISHED,
     FIRST_TOKEN,
     GENERATED,
@@ -245,3 +247,48 @@ def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waitin
         first_token_s = finished_s
     return (first_token_s - arrival_s, finished_s - arrival_s, added_delay_s, latest_s - arrival_s,
             new_counters[NUM_PREEMPTIONS] - counters[NUM_PREEMPTIONS], new_times[:, FINISHED].copy())
+
+
+@njit(cache=True)
+def restore(requests: np.ndarray, times: np.ndarray, values: np.ndarray, num_running: int,
+            config: np.ndarray, max_model_len: int, num_gpu_blocks: int,
+            engine_used_blocks: int) -> tuple[int, int]:
+    """Write restored rows (``values``: prompt tokens, output target, computed, generated,
+    the first ``num_running`` running) into an empty state as
+    :meth:`.PackedScheduler.restored` specifies; returns (rows admitted to run, free
+    blocks left), or (-1, 0), nothing written, when a row fails the reference's checks
+    (the caller then names it). ``engine_used_blocks`` < 0: no sharing to credit. One
+    compiled call, not ~25 numpy ones: a replica rebuild of a few requests paid more for
+    those than for the rows."""
+    num_rows = values.shape[0]
+    block_size, max_num_seqs = config[BLOCK_SIZE], config[MAX_NUM_SEQS]
+    for row in range(num_rows):
+        prompt, target, generated = values[row, 0], values[row, 1], values[row, 3]
+        if prompt < 1 or prompt >= max_model_len or target < 1 or generated < 0 \
+                or generated >= min(target, max_model_len - prompt):
+            return -1, 0
+    free_blocks = num_gpu_blocks
+    if engine_used_blocks >= 0:
+        num_held = 0
+        for row in range(num_running):
+            computed = max(0, min(values[row, 2], values[row, 0] + values[row, 3] - 1))
+            num_held += -(-computed // block_size)
+        free_blocks += max(0, num_held - engine_used_blocks)
+    num_admitted = 0
+    for row in range(num_rows):
+        prompt, generated = values[row, 0], values[row, 3]
+        requests[row, PROMPT] = prompt
+        requests[row, TARGET] = min(values[row, 1], max_model_len - prompt)
+        requests[row, GENERATED] = generated
+        times[row, ARRIVAL] = 0.0
+        # Running rows run, in order, while a slot and their blocks are free; from the
+        # first that does not fit, every row queues (nothing computed, no blocks).
+        if row == num_admitted and row < num_running and num_admitted < max_num_seqs:
+            computed = max(0, min(values[row, 2], prompt + generated - 1))
+            num_blocks = -(-computed // block_size)
+            if num_blocks <= free_blocks:
+                free_blocks -= num_blocks
+                requests[row, COMPUTED] = computed
+                requests[row, BLOCKS] = num_blocks
+                num_admitted += 1
+    return num_admitted, free_blocks

@@ -39,6 +39,7 @@ class EngineRequest:
     prefix_block_hashes: tuple[int, ...] = ()
     num_blocks: int = 0
     num_hashed_blocks: int = 0
+    lora_id: int = 0  # the LoRA adapter it runs with, as its engine numbers them (0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +66,7 @@ class EngineRequest:
         other.prefix_block_hashes = self.prefix_block_hashes
         other.num_blocks = self.num_blocks
         other.num_hashed_blocks = self.num_hashed_blocks
+        other.lora_id = self.lora_id
         return other
 
 
@@ -84,6 +86,8 @@ class StepResult:
     ``num_running`` and ``num_waiting`` describe the state after the step.
     ``num_scheduled_tokens``: (request id, tokens scheduled) for every request in the
     batch, in scheduling order (as vLLM's ``SchedulerOutput.num_scheduled_tokens``).
+    ``num_lora_loads``: LoRA adapters the step loaded (not resident when it needed them),
+    and ``lora_load_s`` the part of ``duration_s`` that took (left out of its latency sample).
     """
 
     started_at_s: float
@@ -100,6 +104,8 @@ class StepResult:
     num_running: int = 0
     num_waiting: int = 0
     num_scheduled_tokens: tuple[tuple[str, int], ...] = ()
+    num_lora_loads: int = 0
+    lora_load_s: float = 0.0
 
     @property
     def finished_at_s(self) -> float:
@@ -109,5 +115,5 @@ class StepResult:
     def to_step_sample(self) -> StepSample:
         """The step as a latency-model sample (batch and duration)."""
         return StepSample(self.num_prefill_tokens, self.num_decode_seqs,
-                          self.num_kv_tokens_attended, self.duration_s,
+                          self.num_kv_tokens_attended, self.duration_s - self.lora_load_s,
                           self.num_prefill_attention_pairs)

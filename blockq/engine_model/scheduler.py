@@ -7,7 +7,8 @@ new prefills admitted from the FCFS waiting queue while the whole request fits; 
 runs; requests that computed all their known tokens sample one (the phases are in
 :mod:`blockq.engine_model.step_builder`). KV blocks are allocated as tokens are
 scheduled; a running request short of a block preempts by recompute the most recently
-started running request (itself if last). ``tests/test_vllm_scheduler_diff.py`` steps it
+started running request (itself if last). With LoRA, vLLM's ``max_loras`` rule and the
+adapter loads (:mod:`blockq.engine_model.lora`). ``tests/test_vllm_scheduler_diff.py`` steps it
 against vLLM's own scheduler; docs/engine-model-vs-vllm.md lists what still differs.
 
 This is the executable specification. The one fast simulator,
@@ -44,7 +45,7 @@ class EngineScheduler:
     """
 
     __slots__ = ("_config", "latency_model", "now_s", "running", "waiting", "_pool",
-                 "_block_size", "_watermark_blocks")
+                 "_block_size", "_watermark_blocks", "loaded_loras", "num_lora_loads")
 
     def __init__(self, config: EngineConfig, latency_model: StepLatencyModel,
                  now_s: float = 0.0) -> None:
@@ -56,6 +57,8 @@ class EngineScheduler:
         self._pool = BlockPool(config.num_gpu_blocks, config.block_size)
         self._block_size = config.block_size
         self._watermark_blocks = config.watermark_blocks
+        self.loaded_loras: list[int] = []  # resident LoRA adapters, least recently used first
+        self.num_lora_loads = 0            # adapters loaded since start
 
     # --- state ----------------------------------------------------------------------------
 
@@ -96,6 +99,8 @@ class EngineScheduler:
         other._pool = self._pool.clone()
         other._block_size = self._block_size
         other._watermark_blocks = self._watermark_blocks
+        other.loaded_loras = list(self.loaded_loras)
+        other.num_lora_loads = self.num_lora_loads
         return other
 
     # --- requests -------------------------------------------------------------------------
@@ -225,8 +230,9 @@ class EngineScheduler:
         """
         if not self.running and not self.waiting:
             return None
-        builder = StepBuilder(self._config, self.running, self.waiting, self._pool)
+        builder = StepBuilder(self._config, self.running, self.waiting, self._pool, self.loaded_loras)
         builder.schedule(self.now_s)
         result = builder.execute(self.now_s, duration_s, self.latency_model)
+        self.num_lora_loads += result.num_lora_loads
         self.now_s = result.started_at_s + result.duration_s
         return result

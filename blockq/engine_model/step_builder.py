@@ -21,6 +21,10 @@ most recently started running request (the end of ``running``; itself if it is l
 With prefix caching, blocks are registered in the cache when the tokens that fill them
 are scheduled (vLLM's ``allocate_slots`` caches them), so a request admitted later in the
 same step already hits them.
+
+With LoRA (``max_loras`` > 0), phase 2 skips a waiting request whose adapter would be one
+too many in the batch, and phase 3 loads the adapters the batch needs that are not
+resident (:mod:`blockq.engine_model.lora`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections import deque
 from blockq.engine_model.block_pool import BlockPool
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
+from blockq.engine_model.lora import load_adapters, skips_for_lora
 from blockq.engine_model.request import EngineRequest, StepResult
 
 
@@ -40,11 +45,12 @@ class StepBuilder:
     """
 
     __slots__ = ("config", "block_size", "running", "waiting", "pool", "token_budget",
-                 "long_prefill_threshold", "scheduled", "num_scheduled_tokens", "preempted")
+                 "long_prefill_threshold", "scheduled", "num_scheduled_tokens", "preempted", "loaded_loras")
 
     def __init__(self, config: EngineConfig, running: list[EngineRequest],
-                 waiting: deque[EngineRequest], pool: BlockPool) -> None:
+                 waiting: deque[EngineRequest], pool: BlockPool, loaded_loras: list[int] | None = None) -> None:
         self.config = config
+        self.loaded_loras = loaded_loras if loaded_loras is not None else []  # resident adapters, LRU first
         self.block_size = config.block_size
         self.running = running
         self.waiting = waiting
@@ -115,8 +121,14 @@ class StepBuilder:
         block_size = self.block_size
         waiting = self.waiting
         use_prefix_cache = config.enable_prefix_caching
+        max_loras = config.max_loras
+        scheduled_loras = {r.lora_id for r in self.scheduled if r.lora_id} if max_loras else set()
+        skipped: list[EngineRequest] = []
         while waiting and self.token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = waiting[0]
+            if max_loras and skips_for_lora(request.lora_id, scheduled_loras, max_loras):
+                skipped.append(waiting.popleft())  # vLLM's `continue`: later requests may go first
+                continue
             num_hits = num_evictable_hits = 0
             if use_prefix_cache and request.prefix_block_hashes:
                 num_hits, num_evictable_hits = pool.probe_prefix(request)
@@ -142,6 +154,9 @@ class StepBuilder:
                 request.first_scheduled_at_s = now_s
             self.running.append(request)
             self._add_to_batch(request, num_new)
+            if request.lora_id:
+                scheduled_loras.add(request.lora_id)
+        waiting.extendleft(reversed(skipped))  # back at the front, in their order
 
     def _add_to_batch(self, request: EngineRequest, num_new_tokens: int) -> None:
         self.scheduled.append(request)
@@ -199,10 +214,17 @@ class StepBuilder:
                     first_tokens.append(request)
                 if num_generated >= request.output_target_tokens:
                     finished.append(request)
+        num_lora_loads, lora_load_s = 0, 0.0
+        if self.config.max_loras:
+            num_lora_loads = load_adapters(self.loaded_loras, (r.lora_id for r in self.scheduled),
+                                           self.config.max_loras)
+            lora_load_s = num_lora_loads * self.config.lora_load_ms / 1000
         if duration_s is None:
             duration_s = latency_model.step_seconds(
                 num_prefill_tokens, num_decode_seqs, num_kv_tokens, num_pairs
-            ) if self.scheduled else 0.0
+            ) + lora_load_s if self.scheduled else 0.0
+        else:
+            lora_load_s = min(lora_load_s, duration_s)  # a measured time includes its loads
         self._finish(first_tokens, finished, started_at_s + duration_s)
         return StepResult(
             started_at_s, duration_s, num_prefill_tokens, num_decode_seqs, num_kv_tokens,
@@ -210,7 +232,7 @@ class StepBuilder:
             tuple(r.request_id for r in self.preempted), num_pairs, self.pool.num_used_blocks,
             len(self.running), len(self.waiting),
             tuple(zip([r.request_id for r in self.scheduled], self.num_scheduled_tokens,
-                      strict=True)))
+                      strict=True)), num_lora_loads, lora_load_s)
 
     def _finish(self, first_tokens: list[EngineRequest], finished: list[EngineRequest],
                 ended_at_s: float) -> None:

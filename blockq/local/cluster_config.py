@@ -114,6 +114,8 @@ class ClusterConfig:
     vllm_gpu_memory_utilization: float | None = None
     vllm_max_model_len: int | None = None
     vllm_max_num_seqs: int | None = None
+    vllm_lora_modules: str | None = None  # NAME=PATH,...: LoRA adapters every vLLM instance serves
+    vllm_max_loras: int | None = None
     vllm_enforce_eager: bool = False
     vllm_pin_cores: bool = False
     engine_nice: int = 0  # workers (and their engines' processes) run this much nicer
@@ -200,7 +202,8 @@ class ClusterConfig:
                                   f"({len(self.vllm_urls)}; got {self.instances})")
         if not isinstance(self.prefix_caching, bool):
             raise ConfigError(f"prefix_caching: must be true or false (got {self.prefix_caching!r})")
-        for name in ("vllm_block_size", "vllm_kv_cache_bytes", "vllm_max_model_len", "vllm_max_num_seqs"):
+        for name in ("vllm_block_size", "vllm_kv_cache_bytes", "vllm_max_model_len", "vllm_max_num_seqs",
+                     "vllm_max_loras"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name}: must be a positive integer (got {value!r})")
@@ -443,7 +446,8 @@ class ClusterConfig:
         for option, value in (("--block-size", self.vllm_block_size), ("--kv-cache-bytes", self.vllm_kv_cache_bytes),
                               ("--gpu-memory-utilization", self.vllm_gpu_memory_utilization),
                               ("--max-model-len", self.vllm_max_model_len),
-                              ("--max-num-seqs", self.vllm_max_num_seqs)):
+                              ("--max-num-seqs", self.vllm_max_num_seqs),
+                              ("--lora-modules", self.vllm_lora_modules), ("--max-loras", self.vllm_max_loras)):
             if value is not None:
                 argv += [option, str(value)]
         if self.vllm_pin_cores:

@@ -22,6 +22,7 @@ from blockq.wire.protocol import (
     float_field,
     unpack_map,
 )
+from blockq.wire.served_models import check_adapter_lists
 
 MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
 # Output blocks newly cached per beat: a beat every 100 ms rarely finishes more than a few
@@ -266,6 +267,10 @@ class ProgressList(Sequence[RequestProgress]):
             return list(map(itemgetter(position), self._raw))
         return [item[position] for item in self._made()]
 
+    def values(self) -> Sequence[Sequence[Any]]:
+        """The entries as decoded lists (6 or 8 values), or as entries once made."""
+        return self._raw if self._raw is not None else self._made()
+
     def __len__(self) -> int:
         return len(self._raw) if self._raw is not None else len(self._made())
 
@@ -285,6 +290,15 @@ class ProgressList(Sequence[RequestProgress]):
 
     def __repr__(self) -> str:
         return repr(self._made())
+
+
+def progress_values(progress: Sequence[RequestProgress]) -> Sequence[Sequence[Any]]:
+    """A beat's list entry by entry as :class:`RequestProgress` fields in order (a decoded
+    one's entries as decoded, 6 or 8 values, without making them into entries: a replica
+    rebuild reads every entry once)."""
+    if isinstance(progress, ProgressList):
+        return progress.values()
+    return progress
 
 
 def progress_column(progress: Sequence[RequestProgress], position: int) -> list[Any]:
@@ -325,6 +339,7 @@ def _check_engine_model(data: Mapping[str, Any]) -> None:
     refused here, naming the field: a value that is not (an infinite
     block count) would otherwise raise inside the dispatcher's view, beat after beat."""
     config = field_of(data, "engine_config", dict)
+    check_adapter_lists(config)
     for spec in fields(EngineConfig):
         value = config.get(spec.name)
         if value is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -49,3 +50,13 @@ class HealthPolicy:
         if reported_state == InstanceState.LIVE and beat_age_s > self.suspect_after_s:
             return InstanceState.SUSPECT
         return InstanceState(reported_state)
+
+
+def silence_s(last_beat_at_s: float, now_s: float, read_until_s: float = math.inf) -> float:
+    """How long an instance has been silent, as far as a reader of the beat stream can
+    tell: from its latest beat heard to ``read_until_s``, the moment up to which the reader
+    has read every beat (its last read caught up: ``now_s``, the default). A reader behind
+    on the stream has heard no instance's beats since then, so that lag is its own, not
+    the instance's silence: counted against ``now_s``, a leader that fell behind saw every
+    instance ``suspect`` and placed nothing (docs/results/decisions-at-scale.md)."""
+    return min(now_s, read_until_s) - last_beat_at_s

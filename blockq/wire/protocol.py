@@ -51,6 +51,7 @@ class ProtocolLimits:
     max_stop_chars: int = 256
     max_id_chars: int = 128
     max_tenant_chars: int = 128
+    max_model_chars: int = 256
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -205,6 +206,11 @@ class Request:
     dispatcher measures the time a request waited from it, against its estimate of Redis'
     now, so no client's clock skews admission (None: a message from before it, measured
     from ``submitted_at_s``).
+    ``model``: the model the request asks for, a base model's name or a LoRA adapter's, as
+    instances publish them in their beats (:func:`blockq.wire.beats.served_names`); the
+    dispatcher places it only on an instance serving that name, and answers an error at once
+    when no live instance does. None: any instance, with its base model (as before models
+    were named).
     """
 
     id: str
@@ -228,6 +234,7 @@ class Request:
     trace_output_text: str | None = None
     prompt_block_hashes: tuple[int, ...] = ()
     admitted_at_ms: int | None = None
+    model: str | None = None
     prediction: Prediction | None = None
     assignment: Assignment | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
@@ -310,6 +317,7 @@ class Request:
             trace_output_text=_optional_text(data, "trace_output_text", limits.max_prompt_chars),
             prompt_block_hashes=_decode_block_hashes(data, limits),
             admitted_at_ms=_optional_int(data, "admitted_at_ms", 0, MAX_EPOCH_MS),
+            model=_optional_text(data, "model", limits.max_model_chars) or None,
             prediction=Prediction.from_map(prediction) if prediction is not None else None,
             assignment=Assignment.from_map(assignment) if assignment is not None else None,
         )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blockq.wire.protocol import Request
+from dispatcher.adapters import adapter_charge
 from dispatcher.admission import ttft_budget_s
 from dispatcher.cluster_view import ClusterView, InstanceView
 from dispatcher.policies.base import Decision, PolicyOptions
@@ -110,8 +111,10 @@ class Block:
         chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size)
         if self.shortlist.cuts(len(candidates)):
             self._learn(ranked, now_s)
-        return Decision(chosen.candidate.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
-                        predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
+        # An adapter's load: the engine pays it (the slot wait only ranks).
+        load_s = adapter_charge(chosen.candidate, request.model).load_s if request.model is not None else 0.0
+        return Decision(chosen.candidate.instance_id, predicted_ttft_ms=(chosen_forecast.ttft_s + load_s) * 1000,
+                        predicted_e2e_ms=(chosen_forecast.e2e_s + load_s) * 1000)
 
     def _ranked(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> list[_Ranked]:
         """``candidates`` simulated with the request, best score first (ties at random)."""
@@ -139,6 +142,9 @@ class Block:
             else:
                 candidate_forecast = forecast(replica, request.id, *size)
                 ttft_s, score = candidate_forecast.ttft_s, candidate_forecast.score(self.objective)
+            if request.model is not None:  # a LoRA adapter's load and slot (dispatcher.adapters)
+                charge_s = adapter_charge(candidate, request.model).rank_s
+                ttft_s, score = ttft_s + charge_s, score + charge_s
             # Scores equal to 1e-9 s are ties, broken at random.
             key = (round(score, 9), self.rng.random())
             ranked.append(_Ranked(key, ttft_s, candidate, replica, size, candidate_forecast))

@@ -29,6 +29,7 @@ from loadgen.simulation.capacity import run_capacity
 from loadgen.simulation.config import SimulationConfig
 from loadgen.simulation.plan import Progress, build_plan
 from loadgen.simulation.seed_tables import mean_sd_table
+from loadgen.simulation.served import add_served_model_arguments
 from loadgen.summaries import KvSample, RequestRecord
 
 
@@ -83,6 +84,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_slow_instance_arguments(parser)
     _add_cell_arguments(parser)
+    add_served_model_arguments(parser)
     add_autoscale_arguments(parser)
 
 

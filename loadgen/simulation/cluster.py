@@ -94,9 +94,11 @@ class ClusterSimulation:
         config = self.config
         overrides = (("enable_prefix_caching", True),) if config.prefix_caching else ()
         index = len(self.instances)
+        served = config.served.engine_options(index)  # its model and adapters
         options = EmulatedEngineOptions(preset=config.preset_of(index), noise_sigma=config.noise_sigma,
                                         stream_tokens=False, time_scale=config.time_scale,
-                                        seed=self._rng.randrange(2**31), config_overrides=overrides)
+                                        seed=self._rng.randrange(2**31),
+                                        **{**served, "config_overrides": overrides + served.get("config_overrides", ())})
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the instance's wall clock
         # The last slow_instances of the first fleet are slow (not gpu0: a long-prompt lane).
         slow = config.instances - config.slow_instances <= index < config.instances
@@ -373,4 +375,5 @@ class ClusterSimulation:
                 "beats_rejected": stats.num_beats_rejected, "placed": stats.num_placed,
                 "held": stats.num_held, "rejected": stats.num_rejected, "infeasible": stats.num_infeasible,
                 "prefix_cache_queries_tokens": sum(s["prefix_cache_queries_total"] for s in engine_stats),
-                "prefix_cache_hits_tokens": sum(s["prefix_cache_hits_total"] for s in engine_stats)}
+                "prefix_cache_hits_tokens": sum(s["prefix_cache_hits_total"] for s in engine_stats),
+                "adapter_loads": sum(i.engine.scheduler.num_lora_loads for i in instances)}

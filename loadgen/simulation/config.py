@@ -19,6 +19,7 @@ from blockq.forecast_check import ForecastCheckOptions
 from dispatcher.policies import policy_spec
 from dispatcher.policies.shortlist import DEFAULT_SIMULATED_CANDIDATES
 from dispatcher.what_if import DEFAULT_OBJECTIVE, OBJECTIVES
+from loadgen.simulation.served import ServedModels
 
 # One placement decision, ms (p50 of `blockq dispatch-bench --instances 16 --running 48
 # --waiting 20`, one core: docs/results/decision-cost.md). A policy not listed
@@ -65,7 +66,8 @@ class SimulationConfig:
     own dispatcher, behind one front (:mod:`loadgen.simulation.multi_cell`); each cell's leader
     publishes its load every ``cell_load_interval_ms`` and the front reads the loads as
     often; ``cell_stale_after_ms`` and ``cell_choices`` as ``BLOCKQ_CELL_STALE_MS`` and
-    ``BLOCKQ_CELL_CHOICES``.
+    ``BLOCKQ_CELL_CHOICES``. ``served``: the base models and LoRA adapters the fleet serves
+    and which one each request names (:mod:`loadgen.simulation.served`).
     ``fleet``: a mixed fleet (:mod:`blockq.engine_model.fleet_spec`), instance ``i`` running
     the preset of its group; ``instances`` must be its size and ``preset`` is unused (None:
     ``instances`` of ``preset``).
@@ -102,10 +104,12 @@ class SimulationConfig:
     cell_stale_after_ms: float = 2000.0
     cell_choices: int = 0
     num_simulated_candidates: int = DEFAULT_SIMULATED_CANDIDATES
+    served: ServedModels = field(default_factory=ServedModels)
     fleet: FleetSpec | None = None
 
     def __post_init__(self) -> None:
         policy_spec(self.policy)  # ValueError naming the valid policies
+        self.served.check_fleet(self.instances, self.cells)
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective: must be one of {', '.join(OBJECTIVES)} (got {self.objective!r})")
         if self.num_simulated_candidates < 0:

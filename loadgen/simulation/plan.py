@@ -15,6 +15,7 @@ from dispatcher.policies import policy_spec
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 from loadgen.progress import ProgressBar
 from loadgen.simulation.config import SimulationConfig
+from loadgen.simulation.served import served_models_from_args
 from loadgen.simulation.single_run import SimulatedRun, simulate_run
 from loadgen.simulation.workload import (
     AnnotatedSample,
@@ -84,7 +85,8 @@ class Plan:
             slow_hidden=args.slow_hidden,
             forecast_check=forecast_check_options_from_args(args), cells=args.cells,
             cell_load_interval_ms=args.cell_load_ms, cell_stale_after_ms=args.cell_stale_ms,
-            cell_choices=args.cell_choices, num_simulated_candidates=args.simulated_candidates)
+            cell_choices=args.cell_choices, num_simulated_candidates=args.simulated_candidates,
+            served=served_models_from_args(args))
 
     def sample(self, seed: int, mae_tokens: float | None) -> AnnotatedSample:
         if mae_tokens is None:

@@ -20,6 +20,11 @@ _COLUMNS: tuple[tuple[str, str, float, int], ...] = (
     ("TTFT forecast APE p50 %", "ttft_forecast_ape_p50", 100.0, 1),
     ("E2E forecast APE p50 %", "e2e_forecast_ape_p50", 100.0, 1),
 )
+# Shown only when some run has them (runs with models or LoRA adapters).
+_OPTIONAL_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
+    ("adapter loads", "adapter_loads", 1.0, 0),
+    ("misplaced (model)", "model_misplaced", 1.0, 0),
+)
 
 
 def mean_sd(values: Sequence[float]) -> tuple[float, float]:
@@ -44,11 +49,12 @@ def mean_sd_table(results: Sequence[Mapping[str, Any]]) -> str:
     groups: dict[tuple[Any, str], list[Mapping[str, Any]]] = {}
     for result in results:
         groups.setdefault((result.get("rate"), str(result.get("policy"))), []).append(result)
-    header = "| policy | rate req/s | seeds | " + " | ".join(c[0] for c in _COLUMNS) + " |"
-    lines = [header, "|" + "---|" * (len(_COLUMNS) + 3)]
+    columns = _COLUMNS + tuple(c for c in _OPTIONAL_COLUMNS if any(r.get(c[1]) is not None for r in results))
+    header = "| policy | rate req/s | seeds | " + " | ".join(c[0] for c in columns) + " |"
+    lines = [header, "|" + "---|" * (len(columns) + 3)]
     for (rate, policy), runs in groups.items():
         cells = [_cell([r[key] for r in runs if r.get(key) is not None], scale, decimals)
-                 for _, key, scale, decimals in _COLUMNS]
+                 for _, key, scale, decimals in columns]
         lines.append(f"| {policy} | {rate:g} | {len(runs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -4,10 +4,10 @@ writes, plus per-request records and KV samples for the report."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from blockq.wire.protocol import Request
+from blockq.wire.protocol import FinalRecord, Request
 from dispatcher.core import CoreStats, DispatcherCore
 from loadgen.replay import failed_record, record_of
 from loadgen.simulation.cluster import ClusterSimulation
@@ -42,7 +42,9 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
         CellsSimulation(config, refinements=sample.refinements) if config.cells > 1
         else ClusterSimulation(config, refinements=sample.refinements))
     origin_s = config.warmup_s  # the first request is submitted after the warm-up
-    arrivals = [(offset_s, submitted(request, origin_s + offset_s * config.time_scale, best_effort=config.best_effort))
+    models = config.served.draw(len(sample.requests), sample.seed)  # the model each request names
+    arrivals = [(offset_s, submitted(replace(request, model=models[index]), origin_s + offset_s * config.time_scale,
+                                     best_effort=config.best_effort))
                 for offset_s, index in schedule
                 if (request := sample.requests[index]) is not None]
     result = simulation.run(arrivals, on_progress)
@@ -66,11 +68,44 @@ def simulate_run(config: SimulationConfig, sample: AnnotatedSample, *, rate_per_
                    seed=sample.seed, time_scale=config.time_scale, mode="simulated", events=result.counters["events"],
                    steps=result.counters["steps"], beats_rejected=result.counters["beats_rejected"],
                    **_prefix_hit_rates(config, result.counters, simulation.cores, [r for _, r in arrivals]))
+    if isinstance(simulation, ClusterSimulation) and (config.served.num_adapters or config.served.models):
+        summary.update(_served_figures(config, simulation, result.finals, [r for _, r in arrivals]))
     if config.cells > 1:  # the cells, and how many requests the front sent each
         summary["cells"] = config.cells
         summary["cells_sent"] = {k[len("sent_"):]: v for k, v in result.counters.items() if k.startswith("sent_")}
     summary["forecast_check"] = _forecast_check(config, simulation.cores, result.trust_changes)
     return SimulatedRun(summary, records, result.kv_samples)
+
+
+def _served_figures(config: SimulationConfig, simulation: ClusterSimulation,
+                    finals: dict[str, FinalRecord], requests: list[Request]) -> dict[str, Any]:
+    """``adapter_loads`` (every engine's), and ``model_misplaced``: requests answered by an
+    instance that does not serve the model they named (the dispatcher must place none)."""
+    served = {instance_id: {instance.engine.model, *instance.engine.options.lora_adapters}
+              for instance_id, instance in simulation.instances.items()}
+    misplaced = sum(1 for request in requests if request.model is not None and (final := finals.get(request.id))
+                    and final.instance and request.model not in served[final.instance])
+    return {"adapter_loads": sum(i.engine.scheduler.num_lora_loads for i in simulation.instances.values()),
+            "model_misplaced": misplaced, "adapters": config.served.num_adapters,
+            "max_loras": config.served.max_loras if config.served.num_adapters else None,
+            "models": [m.name for m in config.served.models] or None,
+            "per_model": _per_model_ttft(config, finals, requests)}
+
+
+def _per_model_ttft(config: SimulationConfig, finals: dict[str, FinalRecord],
+                    requests: list[Request]) -> dict[str, dict[str, float | int | None]] | None:
+    """Several base models: each one's requests, answered ok, and their mean and P99 TTFT (ms)."""
+    if not config.served.models:
+        return None
+    figures = {}
+    for model in config.served.models:
+        ttfts = [final.ttft_ms for request in requests if request.model == model.name
+                 and (final := finals.get(request.id)) is not None and final.status == "ok" and final.ttft_ms is not None]
+        ordered = sorted(ttfts)
+        figures[model.name] = {"requests": sum(1 for r in requests if r.model == model.name), "ok": len(ttfts),
+                               "ttft_mean_ms": sum(ttfts) / len(ttfts) if ttfts else None,
+                               "ttft_p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ttfts else None}
+    return figures
 
 
 def _prefix_hit_rates(config: SimulationConfig, counters: dict[str, int], cores: list[DispatcherCore],

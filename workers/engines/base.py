@@ -68,6 +68,7 @@ class EngineRequestSpec:
     p90_tokens: int | None = None
     prefix_block_hashes: tuple[int, ...] = ()
     output_text: str | None = None  # a trace's recorded answer: what the emulated engine streams
+    model: str | None = None  # the base model or LoRA adapter asked for (None: the base model)
 
 
 class Engine(Protocol):

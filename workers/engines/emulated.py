@@ -69,8 +69,14 @@ class EmulatedEngineOptions:
     # False: a step reports only first tokens and finishes, each with the number of tokens
     # since the request's last event and no text (a simulation that reads no text).
     stream_tokens: bool = True
+    # The base model it says it serves (None: "emulated:<preset>") and the LoRA adapters it
+    # serves by name (they need the config's max_loras >= 1: config_overrides).
+    model_name: str | None = None
+    lora_adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if len(set(self.lora_adapters)) != len(self.lora_adapters) or not all(self.lora_adapters):
+            raise ValueError("lora_adapters: must be distinct non-empty names")
         if not 0 < self.time_scale <= 1000:
             raise ValueError(f"time_scale: must be in (0, 1000] (got {self.time_scale})")
         if not 0 <= self.noise_sigma <= 1:
@@ -87,7 +93,12 @@ class EmulatedEngine:
         self.options = options or EmulatedEngineOptions()
         preset = get_preset(self.options.preset, **dict(self.options.config_overrides))
         self.preset = preset.name
-        self.model = f"emulated:{preset.name}"
+        self.model = self.options.model_name or f"emulated:{preset.name}"
+        if self.options.lora_adapters and preset.config.max_loras < 1:
+            raise ValueError("lora_adapters: need max_loras >= 1 in the engine config")
+        # Adapter names as the engine model numbers them (0: the base model).
+        self._lora_ids = {name: index for index, name in enumerate(self.options.lora_adapters, start=1)}
+        self._loaded_loras: tuple[int, ...] = ()  # as the engine config last published them
         self.time_scale = self.options.time_scale
         self.config = preset.config
         self.rng = random.Random(self.options.seed)
@@ -117,13 +128,32 @@ class EmulatedEngine:
                 "kv_cache_usage": round(scheduler.num_used_blocks / max(1, self.config.num_gpu_blocks), 4),
                 "num_preemptions_total": self._num_preemptions_total,
                 "prefix_cache_queries_total": num_queried_tokens,
-                "prefix_cache_hits_total": num_hit_tokens}
+                "prefix_cache_hits_total": num_hit_tokens, **self._lora_stats()}
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """The adapters of the running and waiting requests, as vLLM's LoRA stats name them
+        (what the dispatcher charges an adapter's slot by: dispatcher.adapters), and the
+        adapters loaded since start."""
+        if not self._lora_ids:
+            return {}
+        names = self.options.lora_adapters
+        scheduler = self.scheduler
+        return {"running_lora_adapters": sorted({names[r.lora_id - 1] for r in scheduler.running if r.lora_id}),
+                "waiting_lora_adapters": sorted({names[r.lora_id - 1] for r in scheduler.waiting if r.lora_id}),
+                "num_lora_loads_total": scheduler.num_lora_loads}
 
     def shutdown(self) -> None:
         pass  # holds nothing outside this process
 
     def engine_config(self) -> dict[str, Any]:
-        """The engine config as beats carry it (one dict for the engine's life: read only)."""
+        """The engine config as beats carry it (read only; a new dict only when the resident
+        adapters change, so that the dispatcher re-reads it only then)."""
+        if self._lora_ids and (self._loaded_loras != tuple(self.scheduler.loaded_loras)
+                               or "lora_adapters" not in self._config_dict):
+            self._loaded_loras = tuple(self.scheduler.loaded_loras)
+            names = self.options.lora_adapters
+            self._config_dict = {**self._config_dict, "lora_adapters": list(names),
+                                 "loaded_loras": [names[lora_id - 1] for lora_id in self._loaded_loras]}
         return self._config_dict
 
     def latency_model(self) -> dict[str, Any] | None:
@@ -134,6 +164,8 @@ class EmulatedEngine:
         return (self.clock() - self._wall_origin_s) / self.time_scale
 
     def validate(self, spec: EngineRequestSpec) -> str | None:
+        if spec.model is not None and spec.model != self.model and spec.model not in self._lora_ids:
+            return f"model: {spec.model!r} is not served here (base model {self.model!r})"
         if spec.prompt_tokens >= self.config.max_model_len:
             return (f"prompt: {spec.prompt_tokens} tokens leave no room for output within "
                     f"max_model_len {self.config.max_model_len}")
@@ -148,7 +180,7 @@ class EmulatedEngine:
         self.scheduler.add_request(EngineRequest(
             request_id=spec.request_id, prompt_tokens=spec.prompt_tokens,
             output_target_tokens=output_tokens, arrival_s=self.scheduler.now_s,
-            prefix_block_hashes=self._block_hashes(spec)))
+            prefix_block_hashes=self._block_hashes(spec), lora_id=self._lora_ids.get(spec.model or "", 0)))
         self._specs[spec.request_id] = spec
         self._num_emitted[spec.request_id] = 0
         if spec.output_text and self.options.stream_tokens:

@@ -43,7 +43,6 @@ import contextlib
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +53,6 @@ from blockq.wire.beats import RequestProgress
 from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
 from workers.engines.kv_events import KvEventFeed, kv_events_config
 from workers.engines.streamed import (
-    EngineCounters,
     drain_events,
     laid_over_arrival_order,
     progress_item,
@@ -68,37 +66,7 @@ from workers.engines.vllm_state import (
     SnapshotReader,
     worker_request_id,
 )
-
-MAX_PENDING_SAMPLES = 256
-
-@dataclass
-class VllmStats(EngineCounters):
-    """What vLLM's stat logger reported, as of its last call, and its step samples."""
-
-    samples: deque[tuple[int, int, int, float, int]] = field(
-        default_factory=lambda: deque(maxlen=MAX_PENDING_SAMPLES))
-
-    def record(self, scheduler_stats: Any, iteration_stats: Any, kv_capacity_tokens: int) -> None:
-        if iteration_stats is not None:
-            self.num_preemptions_total += int(iteration_stats.num_preempted_reqs)
-        if scheduler_stats is None:
-            return
-        self.num_running = int(scheduler_stats.num_running_reqs)
-        self.num_waiting = int(scheduler_stats.num_waiting_reqs) + int(scheduler_stats.num_skipped_waiting_reqs)
-        self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
-        prefix = scheduler_stats.prefix_cache_stats
-        if prefix is not None:
-            # Re-admissions after a preemption too, which vLLM counts apart: the emulated
-            # engine counts every admission, and a beat means the same from either.
-            self.prefix_cache_queries_total += int(prefix.queries) + int(getattr(prefix, "preempted_queries", 0))
-            self.prefix_cache_hits_total += int(prefix.hits) + int(getattr(prefix, "preempted_hits", 0))
-        details = scheduler_stats.iteration_details
-        if details is not None and not details.is_dummy and details.elapsed_ms > 0:
-            num_prefill_tokens = int(details.num_ctx_tokens)
-            # Chunks of one prompt each: the attention pairs of a chunk are not reported.
-            self.samples.append((num_prefill_tokens, int(details.num_generation_requests),
-                                 round(self.kv_cache_usage * kv_capacity_tokens), details.elapsed_ms / 1000,
-                                 num_prefill_tokens * (num_prefill_tokens + 1) // 2))
+from workers.engines.vllm_stats import VllmStats
 
 
 class EngineWillNotStart(RuntimeError):
@@ -178,8 +146,12 @@ class VllmEngine:
                  params_factory: Callable[[EngineRequestSpec], Any] = sampling_params,
                  profile_latency_model: StepLatencyModel | None = None) -> None:
         self.options = options
-        self.model = f"vllm:{options.model}"
-        self.stats = VllmStats()
+        self.model = options.served_model_name or f"vllm:{options.model}"
+        self.stats = VllmStats(max_loras=options.max_loras if options.lora_modules else 0)
+        # Adapter name -> (vLLM's int id, path); LoRARequest objects made when first asked for.
+        self._adapters = {name: (index, path) for index, (name, path) in enumerate(options.lora_modules, start=1)}
+        self._lora_requests: dict[str, Any] = {}
+        self._published_loaded: tuple[str, ...] = ()
         self.state = SnapshotReader()
         self._state_socket: Any = None  # None: a stand-in engine, no snapshots
         self._kv_feed: KvEventFeed | None = None  # likewise, no KV events
@@ -197,6 +169,13 @@ class VllmEngine:
         self._latency_model = profile_latency_model.to_dict() if profile_latency_model else None
 
     def engine_config(self) -> dict[str, Any]:
+        """vLLM's engine config, with LoRA its adapters and those resident (a new dict only
+        when they change, so that the dispatcher re-reads it only then)."""
+        if self._adapters and ("lora_adapters" not in self._config
+                               or self._published_loaded != tuple(self.stats.loaded_loras)):
+            self._published_loaded = tuple(self.stats.loaded_loras)
+            self._config = {**self._config, "lora_adapters": list(self._adapters), "max_loras": self.options.max_loras,
+                            "loaded_loras": list(self._published_loaded)}
         return self._config
 
     def latency_model(self) -> dict[str, Any] | None:
@@ -220,14 +199,29 @@ class VllmEngine:
         return snapshot.at_s - self._origin_s
 
     def validate(self, spec: EngineRequestSpec) -> str | None:
+        if spec.model is not None and spec.model != self.model and spec.model not in self._adapters:
+            return f"model: {spec.model!r} is not served here (base model {self.model!r})"
         return prompt_refusal(spec, self._config["max_model_len"])
 
     def add_request(self, spec: EngineRequestSpec) -> None:
         tracked = _Tracked(spec)
         self._tracked[spec.request_id] = tracked
         prompt = spec.prompt if isinstance(spec.prompt, str) else {"prompt_token_ids": list(spec.prompt)}
-        stream = self.engine.generate(prompt, self.params_factory(spec), spec.request_id)
+        lora = self._lora_request(spec.model)
+        extra = {"lora_request": lora} if lora is not None else {}
+        stream = self.engine.generate(prompt, self.params_factory(spec), spec.request_id, **extra)
         tracked.task = asyncio.get_running_loop().create_task(self._consume(tracked, stream))
+
+    def _lora_request(self, model: str | None) -> Any:
+        """vLLM's LoRARequest for an adapter name (None: the base model)."""
+        if model is None or model not in self._adapters:
+            return None
+        if model not in self._lora_requests:
+            from vllm.lora.request import LoRARequest
+
+            lora_id, path = self._adapters[model]
+            self._lora_requests[model] = LoRARequest(model, lora_id, path)
+        return self._lora_requests[model]
 
     def abort_request(self, request_id: str) -> bool:
         tracked = self._tracked.pop(request_id, None)

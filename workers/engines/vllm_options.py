@@ -29,7 +29,12 @@ class VllmEngineOptions:
     vLLM may take. ``enable_prefix_caching`` True turns vLLM's prefix cache on (None:
     vLLM's default, on in V1 for most models; the beats' engine config says which).
     ``cpu_core``: on the CPU backend, the one core vLLM runs its kernels on (instances
-    sharing a node then do not share cores; None: vLLM's own binding)."""
+    sharing a node then do not share cores; None: vLLM's own binding).
+    ``lora_modules``: LoRA adapters served beside the base model, (name, path) pairs: vLLM
+    runs with ``enable_lora``, at most ``max_loras`` resident (and ``max_cpu_loras`` the
+    same: a load reads the adapter from disk), of rank at most ``max_lora_rank``.
+    ``served_model_name``: the base model's name in beats and requests (None:
+    ``vllm:<model path>``)."""
 
     model: str | None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -41,10 +46,19 @@ class VllmEngineOptions:
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
     cpu_core: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model: --model PATH is required for --engine vllm")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names) or not all(names) or not all(path for _, path in self.lora_modules):
+            raise ValueError("lora_modules: NAME=PATH pairs with distinct non-empty names")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras, max_lora_rank: must be >= 1 (got {self.max_loras}, {self.max_lora_rank})")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -64,7 +78,9 @@ class VllmEngineOptions:
                    kv_cache_bytes=args.kv_cache_bytes,
                    gpu_memory_utilization=args.gpu_memory_utilization,
                    enforce_eager=args.enforce_eager, enable_prefix_caching=enable_prefix_caching,
-                   cpu_core=getattr(args, "cpu_core", None))
+                   cpu_core=getattr(args, "cpu_core", None), lora_modules=tuple(getattr(args, "lora_modules", ())),
+                   max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
+                   served_model_name=getattr(args, "served_model_name", None))
 
     def apply_to_environment(self, environ: Any = os.environ) -> None:
         """Drop ``VLLM_CPU_KVCACHE_SPACE`` when a KV cache size is given: vLLM-CPU lets it
@@ -88,6 +104,9 @@ class VllmEngineOptions:
                     "gpu_memory_utilization": self.gpu_memory_utilization,
                     "enable_prefix_caching": self.enable_prefix_caching}
         args.update({name: value for name, value in optional.items() if value is not None})
+        if self.lora_modules:
+            args.update(enable_lora=True, max_loras=self.max_loras, max_cpu_loras=self.max_loras,
+                        max_lora_rank=self.max_lora_rank)
         return args
 
 
@@ -113,6 +132,24 @@ def add_vllm_engine_arguments(parser: Any, for_one_engine: bool = False) -> None
     else:
         vllm.add_argument("--enforce-eager", action="store_true",
                           help="no CUDA graphs / compilation (faster start-up)")
+        vllm.add_argument("--lora-modules", type=_lora_modules, default=(), metavar="NAME=PATH,...",
+                          help="LoRA adapters to serve beside the base model (vLLM --enable-lora)")
+        vllm.add_argument("--max-loras", type=int, default=VllmEngineOptions.max_loras,
+                          help="LoRA adapters resident and in one batch at most (vLLM's max_loras)")
+        vllm.add_argument("--max-lora-rank", type=int, default=VllmEngineOptions.max_lora_rank)
+        vllm.add_argument("--served-model-name", default=None,
+                          help="the base model's name in beats and requests (default: vllm:<model path>)")
         vllm.add_argument("--cpu-core", type=int, default=None,
                           help="CPU backend: run vLLM's kernels on this one core (`up --pin-cores` gives "
                                "instance K core K modulo the node's cores)")
+
+
+def _lora_modules(text: str) -> tuple[tuple[str, str], ...]:
+    """``NAME=PATH,...`` (argparse type)."""
+    pairs = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, path = part.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules: {part!r} is not NAME=PATH")
+        pairs.append((name, path))
+    return tuple(pairs)

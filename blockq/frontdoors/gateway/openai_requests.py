@@ -73,6 +73,9 @@ class GenerationPlan:
     best_effort: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    # The name each request carries to the dispatcher (Request.model): a model or adapter
+    # instances serve; None (the gateway's own names, BLOCKQ_GATEWAY_MODEL_NAMES): any instance.
+    routed_model: str | None = None
 
     @property
     def num_choices(self) -> int:
@@ -93,7 +96,7 @@ class GenerationPlan:
             SubmitSpec(prompt=self.prompt_of(i), max_tokens=self.max_tokens, temperature=self.temperature,
                        top_p=self.top_p, stop=self.stop, priority=priority or self.priority, tenant=tenant,
                        request_id=request_id, slo_ttft_ms=self.slo_ttft_ms, best_effort=self.best_effort,
-                       ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
+                       ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, model=self.routed_model)
             for i, request_id in enumerate(self.request_ids(base_id))
         ]
 

@@ -56,7 +56,9 @@ from blockq.frontdoors.gateway.openai_requests import (
 )
 from blockq.runtime.metrics_server import metrics_response
 from blockq.wire.beats import decode_heartbeat
+from blockq.wire.health import InstanceState
 from blockq.wire.protocol import ValidationError
+from blockq.wire.served_models import served_names
 
 log = structlog.get_logger(__name__)
 
@@ -264,9 +266,11 @@ class Gateway:
             models = set()
             for payload in beats:
                 try:
-                    models.add(decode_heartbeat(payload).model)
+                    beat = decode_heartbeat(payload)
                 except ValidationError:
                     continue
+                if beat.state != InstanceState.STOPPED:  # what the fleet serves now, adapters included
+                    models.update(served_names(beat))
             self._instance_models = tuple(sorted(models))
         except Exception:
             log.warning("models_refresh_failed", exc_info=True)
@@ -320,6 +324,8 @@ class Gateway:
         if plan.model not in await self.model_names() and plan.model not in await self.model_names(1.0):
             raise GatewayError(404, f"the model {plan.model!r} does not exist", "invalid_request_error",
                                param="model", code="model_not_found")
+        if plan.model not in self.config.model_names:  # a name instances serve: only they may take it
+            plan = replace(plan, routed_model=plan.model)
         return plan
 
 
