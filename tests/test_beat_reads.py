@@ -24,14 +24,19 @@ async def leader(settings: Settings) -> Dispatcher:
     return dispatcher
 
 
-async def test_a_step_reads_one_batch_of_beats_and_still_places(settings: Settings,
-                                                                sync_redis: redis.Redis) -> None:
-    dispatcher = await leader(settings)
+def beats_then_a_request(settings: Settings, sync_redis: redis.Redis) -> None:
+    """Ten beats more than one read takes, then a request to place."""
     pipe = sync_redis.pipeline(transaction=False)
     for k in range(READ_COUNT + 10):
         pipe.xadd(settings.keys.heartbeats, {PAYLOAD_FIELD: encode(make_heartbeat(f"i{k:04d}"))})
     pipe.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(make_request())})
     pipe.execute()
+
+
+async def test_a_step_reads_one_batch_of_beats_and_still_places(settings: Settings,
+                                                                sync_redis: redis.Redis) -> None:
+    dispatcher = await leader(settings)
+    beats_then_a_request(settings, sync_redis)
     assert await dispatcher.step() == 1  # placed on what the first batch of beats showed
     assert dispatcher.core.stats.num_beats_applied == READ_COUNT
     assert await dispatcher.follow_heartbeats() is True  # the rest: caught up
@@ -43,11 +48,7 @@ async def test_a_step_reads_one_batch_of_beats_and_still_places(settings: Settin
 async def test_a_leader_behind_on_beats_still_places_on_the_beats_it_read(settings: Settings,
                                                                           sync_redis: redis.Redis) -> None:
     dispatcher = await leader(settings)
-    pipe = sync_redis.pipeline(transaction=False)
-    for k in range(READ_COUNT + 10):
-        pipe.xadd(settings.keys.heartbeats, {PAYLOAD_FIELD: encode(make_heartbeat(f"i{k:04d}"))})
-    pipe.xadd(settings.keys.ready, {PAYLOAD_FIELD: encode(make_request())})
-    pipe.execute()
+    beats_then_a_request(settings, sync_redis)
     # By the time the leader reads them, the beats are older than two beat intervals: counted
     # against now, every instance would be suspect and the request held. It has heard nobody
     # since the last beat it read, so their silence counts up to there.
