@@ -62,7 +62,6 @@ every worker asks it for remaining-length refinements of its running requests ev
 from __future__ import annotations
 
 import math
-import os
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -72,11 +71,11 @@ from blockq.cells import numbered_cell_prefix
 from blockq.config import DEFAULT_REFINE_EVERY_TOKENS, METRICS_OFF, AutoscaleOptions, ConfigError
 from blockq.engine_model.fleet_spec import parse_fleet
 from blockq.local.embedded_redis import DEFAULT_MAXMEMORY, check_maxmemory
+from blockq.local.engine_argv import check_engine, engine_argv
 from blockq.local.vllm_sizing import VllmSizing, VllmWanted
 
 MAX_LOCAL_CELLS = 8
 
-ENGINES = ("emulated", "vllm", "vllm-http")
 DEFAULT_METRICS_BASE_PORT = 9400
 # Port offsets from metrics_base_port: the services first, then one per worker process.
 METRICS_PORT_OFFSETS = {"dispatcher": 0, "predictor": 1}
@@ -147,7 +146,7 @@ class ClusterConfig:
         if not 1 <= self.gateway_port <= 65535:
             raise ConfigError(f"gateway_port: must be a TCP port (got {self.gateway_port})")
         check_maxmemory(self.redis_maxmemory)
-        self._check_engine()
+        check_engine(self)
         self._check_metrics_ports()
         self._check_refinement()
         if not 1 <= self.cells <= MAX_LOCAL_CELLS or self.instances % self.cells:
@@ -188,29 +187,6 @@ class ClusterConfig:
             first = cell * per_cell + index_in_cell * per_process
             ranges.append((first, min(per_process, (cell + 1) * per_cell - first), self.preset))
         return ranges
-
-    def _check_engine(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine: must be one of {', '.join(ENGINES)} (got {self.engine!r})")
-        if self.engine == "vllm" and not self.model:
-            raise ConfigError("model: required with engine vllm (a model path or name)")
-        if self.engine == "vllm-http":
-            if not self.vllm_urls:
-                raise ConfigError("vllm_urls: required with engine vllm-http (the servers, http://host:port)")
-            if self.instances != len(self.vllm_urls):
-                raise ConfigError(f"instances: must be the number of vllm_urls with engine vllm-http "
-                                  f"({len(self.vllm_urls)}; got {self.instances})")
-        if not isinstance(self.prefix_caching, bool):
-            raise ConfigError(f"prefix_caching: must be true or false (got {self.prefix_caching!r})")
-        for name in ("vllm_block_size", "vllm_kv_cache_bytes", "vllm_max_model_len", "vllm_max_num_seqs",
-                     "vllm_max_loras"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name}: must be a positive integer (got {value!r})")
-        utilization = self.vllm_gpu_memory_utilization
-        if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, int | float)
-                                        or not 0 < utilization <= 1):
-            raise ConfigError(f"vllm_gpu_memory_utilization: must be in (0, 1] (got {utilization!r})")
 
     def _check_metrics_ports(self) -> None:
         base = self.metrics_base_port
@@ -403,7 +379,7 @@ class ClusterConfig:
         name = f"{WORKER_CHILD_PREFIX}{process_index}"
         return (name, (
             "workers", "--instance-id", self.instance_prefix, "--instances", str(count),
-            "--first-index", str(first_index), *self._engine_argv(process_index, preset or self.preset),
+            "--first-index", str(first_index), *engine_argv(self, process_index, preset or self.preset),
             "--seed", str(self.seed),
             *(["--nice", str(self.engine_nice)] if self.engine_nice else []),
             *self._refine_argv(), *self._metrics_argv(name)))
@@ -431,28 +407,6 @@ class ClusterConfig:
         if options.scale_command:
             argv.append(f"--scale-command={options.scale_command}")  # one argument, even if it starts with -
         return argv
-
-    def _engine_argv(self, process_index: int, preset: str) -> list[str]:
-        """The worker options that choose and configure the engine of worker process
-        ``process_index`` (with vLLM, one instance a process)."""
-        prefix = ["--prefix-caching"] if self.prefix_caching else []
-        if self.engine == "emulated":
-            return ["--preset", preset, "--time-scale", str(self.time_scale), "--noise", str(self.noise), *prefix]
-        profile = ["--profile", self.preset] if self.preset.endswith(".json") else []  # the latency model published
-        if self.engine == "vllm-http":
-            limits = [] if self.vllm_max_num_seqs is None else ["--max-num-seqs", str(self.vllm_max_num_seqs)]
-            return ["--engine", "vllm-http", "--url", self.vllm_urls[process_index], *profile, *limits]
-        argv = ["--engine", "vllm", "--model", str(self.model), *prefix, *profile]
-        for option, value in (("--block-size", self.vllm_block_size), ("--kv-cache-bytes", self.vllm_kv_cache_bytes),
-                              ("--gpu-memory-utilization", self.vllm_gpu_memory_utilization),
-                              ("--max-model-len", self.vllm_max_model_len),
-                              ("--max-num-seqs", self.vllm_max_num_seqs),
-                              ("--lora-modules", self.vllm_lora_modules), ("--max-loras", self.vllm_max_loras)):
-            if value is not None:
-                argv += [option, str(value)]
-        if self.vllm_pin_cores:
-            argv += ["--cpu-core", str(process_index % (os.cpu_count() or 1))]
-        return argv + (["--enforce-eager"] if self.vllm_enforce_eager else [])
 
 
 def _cell_of_child(child_name: str, num_worker_processes_per_cell: int) -> int | None:
