@@ -228,3 +228,25 @@ def test_two_cells_get_their_own_services_instances_and_prefixes() -> None:
     assert ClusterConfig(instances=4).child_env("dispatcher") == {}  # one cell: nothing changes
     with pytest.raises(ConfigError, match="cells: must be between 1 and 8 and divide instances"):
         ClusterConfig(instances=3, cells=2)
+
+
+def test_vllm_http_servers_kv_events_reach_their_workers_and_the_prefix_scheme() -> None:
+    urls = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    events = ("tcp://10.0.0.1:5557", "tcp://10.0.0.2:5557")
+    config = ClusterConfig().with_overrides(engine="vllm-http", instances=2, vllm_urls=urls, vllm_kv_events_urls=events,
+                                            model="/models/llama", vllm_block_size=32)
+    for process_index in range(2):
+        argv = config.worker_child(process_index, process_index, 1)[1]
+        assert argv[argv.index("--url") + 1] == urls[process_index]
+        assert argv[argv.index("--kv-events-url") + 1] == events[process_index]
+        assert argv[argv.index("--model") + 1] == "/models/llama"
+    assert config.prefix_env() == {"BLOCKQ_PREFIX_TOKENIZER": "/models/llama", "BLOCKQ_PREFIX_BLOCK_TOKENS": "32"}
+    without = ClusterConfig().with_overrides(engine="vllm-http", instances=2, vllm_urls=urls)
+    assert "--kv-events-url" not in without.worker_child(0, 0, 1)[1] and without.prefix_env() == {}
+    with pytest.raises(ConfigError, match="vllm_kv_events_urls: .*one a server"):
+        ClusterConfig().with_overrides(engine="vllm-http", instances=2, vllm_urls=urls, vllm_kv_events_urls=events[:1],
+                                       model="/models/llama")
+    with pytest.raises(ConfigError, match="model: required with vllm_kv_events_urls"):
+        ClusterConfig().with_overrides(engine="vllm-http", instances=2, vllm_urls=urls, vllm_kv_events_urls=events)
+    with pytest.raises(ConfigError, match="vllm_kv_events_urls: with engine vllm-http only"):
+        ClusterConfig().with_overrides(vllm_kv_events_urls=events[:1], model="/models/llama")

@@ -16,7 +16,8 @@ Example ``cluster.toml``::
 
 With ``engine = "vllm-http"`` each instance is a worker driving the running vLLM server at
 one of ``vllm_urls`` over its OpenAI API (``instances`` = their number; ``vllm_max_num_seqs``
-should be the servers'). With ``engine = "vllm"`` the instances run vLLM on ``model`` (a path or model name),
+should be the servers'; ``vllm_kv_events_urls``, one a server, where each publishes its KV cache
+events, with ``model`` the served model's directory: prefix hits are then predicted on them). With ``engine = "vllm"`` the instances run vLLM on ``model`` (a path or model name),
 one instance per worker process; ``vllm_block_size``, ``vllm_kv_cache_bytes``,
 ``vllm_gpu_memory_utilization``, ``vllm_max_model_len`` and ``vllm_max_num_seqs`` pass
 through to vLLM when set (``vllm_enforce_eager = true``: no graph capture or compilation,
@@ -119,6 +120,7 @@ class ClusterConfig:
     vllm_pin_cores: bool = False
     engine_nice: int = 0  # workers (and their engines' processes) run this much nicer
     vllm_urls: tuple[str, ...] = ()  # engine vllm-http: one instance a server
+    vllm_kv_events_urls: tuple[str, ...] = ()  # engine vllm-http: each server's KV events (tcp://host:port)
     prefix_caching: bool = False
     autoscale: AutoscaleOptions | None = None
     metrics_base_port: int = DEFAULT_METRICS_BASE_PORT
@@ -298,10 +300,11 @@ class ClusterConfig:
                           self.vllm_gpu_memory_utilization, self.vllm_max_model_len, self.vllm_max_num_seqs)
 
     def prefix_env(self) -> dict[str, str]:
-        """For embedded vLLM engines, the ``BLOCKQ_PREFIX_*`` settings every child gets:
+        """For vLLM engines whose cache the dispatcher can follow (embedded ones, and servers
+        whose KV events are read), the ``BLOCKQ_PREFIX_*`` settings every child gets:
         prompts hashed with the served model's tokenizer and the engines' block size, the
         blocks vLLM caches (:mod:`blockq.text.block_hashes`); nothing for other engines."""
-        if self.engine != "vllm" or not self.model:
+        if not self.model or not (self.engine == "vllm" or self.vllm_kv_events_urls):
             return {}
         env = {"BLOCKQ_PREFIX_TOKENIZER": self.model}
         if self.vllm_block_size is not None:  # else vLLM's default, 16: the setting's default too

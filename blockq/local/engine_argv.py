@@ -27,6 +27,13 @@ def check_engine(config: ClusterConfig) -> None:
         if config.instances != len(config.vllm_urls):
             raise ConfigError(f"instances: must be the number of vllm_urls with engine vllm-http "
                               f"({len(config.vllm_urls)}; got {config.instances})")
+    if config.vllm_kv_events_urls:
+        if config.engine != "vllm-http" or len(config.vllm_kv_events_urls) != len(config.vllm_urls):
+            raise ConfigError(f"vllm_kv_events_urls: with engine vllm-http only, one a server "
+                              f"({len(config.vllm_urls)} vllm_urls; got {len(config.vllm_kv_events_urls)})")
+        if not config.model:
+            raise ConfigError("model: required with vllm_kv_events_urls (the served model's directory: "
+                              "prompts are hashed with its tokenizer)")
     if not isinstance(config.prefix_caching, bool):
         raise ConfigError(f"prefix_caching: must be true or false (got {config.prefix_caching!r})")
     for name in ("vllm_block_size", "vllm_kv_cache_bytes", "vllm_max_model_len", "vllm_max_num_seqs",
@@ -49,7 +56,9 @@ def engine_argv(config: ClusterConfig, process_index: int, preset: str) -> list[
     profile = ["--profile", config.preset] if config.preset.endswith(".json") else []  # the latency model published
     if config.engine == "vllm-http":
         limits = [] if config.vllm_max_num_seqs is None else ["--max-num-seqs", str(config.vllm_max_num_seqs)]
-        return ["--engine", "vllm-http", "--url", config.vllm_urls[process_index], *profile, *limits]
+        events = ["--kv-events-url", config.vllm_kv_events_urls[process_index], "--model", str(config.model)] \
+            if config.vllm_kv_events_urls else []
+        return ["--engine", "vllm-http", "--url", config.vllm_urls[process_index], *profile, *limits, *events]
     argv = ["--engine", "vllm", "--model", str(config.model), *prefix, *profile]
     for option, value in (("--block-size", config.vllm_block_size), ("--kv-cache-bytes", config.vllm_kv_cache_bytes),
                           ("--gpu-memory-utilization", config.vllm_gpu_memory_utilization),

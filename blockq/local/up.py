@@ -94,6 +94,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                         "server of --url")
     p.add_argument("--url", dest="vllm_urls", type=_urls, default=None, metavar="URL[,URL...]",
                    help="--engine vllm-http: the vLLM servers (http://host:port), one instance each")
+    p.add_argument("--kv-events-url", dest="vllm_kv_events_urls", type=_urls, default=None, metavar="URL[,URL...]",
+                   help="--engine vllm-http: where each server publishes its KV cache events (tcp://host:port, "
+                        "one a server; with --model DIR, prefix hits are predicted on them)")
     p.add_argument("--model", default=None, help="model path or name (required with --engine vllm)")
     for option, kind, text in VLLM_UP_OPTIONS:
         p.add_argument(option, dest="vllm_" + option[2:].replace("-", "_"), type=kind, default=None, help=text)
