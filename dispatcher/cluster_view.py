@@ -137,7 +137,7 @@ class ClusterView:
         (:func:`blockq.wire.health.silence_s`)."""
         self.read_until_s = float("inf") if heard_at_s is None else heard_at_s
 
-    def _latency_model(self, beat: Heartbeat) -> StepLatencyModel:
+    def latency_model_of(self, beat: Heartbeat) -> StepLatencyModel:
         """The latency model an instance publishes, else its preset's, else the prior."""
         if beat.latency_model:
             return StepLatencyModel.from_dict(beat.latency_model)
@@ -269,7 +269,7 @@ class ClusterView:
         if not self.keep_replicas and (view is None or view.replica is None):
             return
         if new_config or view is None or view.replica is None or beat.latency_model != view.heartbeat.latency_model:
-            self._latency_model(beat)
+            self.latency_model_of(beat)
         _check_restorable(beat)
 
     def _create_replica(self, view: InstanceView) -> None:
@@ -277,7 +277,7 @@ class ClusterView:
         # The packed replica has no block cache of its own: a new request's predicted hit
         # (the view's prefix index) shortens the prefill it is simulated with instead.
         config = replace(view.config, enable_prefix_caching=False)
-        view.replica = InstanceReplica(config, self._latency_model(view.heartbeat), lengths=self.lengths,
+        view.replica = InstanceReplica(config, self.latency_model_of(view.heartbeat), lengths=self.lengths,
                                        prefix_index=view.prefix_index)
         view.replica_beat = None
 

@@ -42,7 +42,7 @@ def choose(policy: str, *beats: Heartbeat, prompt_tokens: int = 100) -> str:
 
 def capacity_of(preset: str) -> float:
     chosen = get_preset(preset)
-    return instance_capacity(chosen.config.to_dict(), chosen.latency_model.to_dict()).decode_tokens_s
+    return instance_capacity(chosen.config.to_dict(), chosen.latency_model).decode_tokens_s
 
 
 def test_capacity_follows_the_hardware() -> None:
@@ -50,7 +50,7 @@ def test_capacity_follows_the_hardware() -> None:
     assert a30 < a100 < h100_tp2
     # an A30 cannot hold 48 contexts of 512 tokens: its slots are its KV cache's
     chosen = get_preset("llama2-7b-a30")
-    assert instance_capacity(chosen.config.to_dict(), None).num_slots == 1052 * 16 // 512
+    assert instance_capacity(chosen.config.to_dict(), chosen.latency_model).num_slots == 1052 * 16 // 512
 
 
 def test_weighted_least_requests_divides_by_capacity() -> None:
@@ -80,7 +80,7 @@ def test_topology_weighs_nvlink_instances_by_perf_and_others_by_latency_too() ->
                                latency_model=pcie_model)
     view = fleet_view(nvlink, pcie)
     request = make_request("a short prompt", predicted=200)
-    scores = Topology(random.Random(0)).scores(request, view.live_instances())
+    scores = Topology(view, random.Random(0)).scores(request, view.live_instances())
     # equal predicted TTFTs (latency 1 each); perf: 36 of 48 slots free against all 48
     assert scores["nvlink"] == pytest.approx(NVLINK_WEIGHTS[0] * 36 / 48 + NVLINK_WEIGHTS[1])
     assert scores["pcie"] == pytest.approx(OTHER_WEIGHTS[0] + OTHER_WEIGHTS[1])

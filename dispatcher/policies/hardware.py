@@ -40,9 +40,8 @@ from typing import Any
 
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
-from blockq.engine_model.presets import PRESETS
 from blockq.wire.protocol import Request
-from dispatcher.cluster_view import InstanceView
+from dispatcher.cluster_view import ClusterView, InstanceView
 from dispatcher.policies.base import Decision
 from dispatcher.policies.load import pick_highest
 
@@ -53,8 +52,6 @@ TYPICAL_CONTEXT_TOKENS = 512
 TYPICAL_OUTPUT_TOKENS = 326
 NVLINK_WEIGHTS = (0.9, 0.1)   # (perf, latency)
 OTHER_WEIGHTS = (0.7, 0.3)
-# Instances that publish no latency model are weighed as this preset's.
-FALLBACK_PRESET = "llama2-7b-a30"
 
 
 @dataclass(frozen=True)
@@ -68,11 +65,9 @@ class InstanceCapacity:
     has_nvlink: bool
 
 
-def instance_capacity(engine_config: dict[str, Any], latency_model: dict[str, Any] | None) -> InstanceCapacity:
+def instance_capacity(engine_config: dict[str, Any], model: StepLatencyModel) -> InstanceCapacity:
     """:class:`InstanceCapacity` of one published engine (see the module docstring)."""
     config = EngineConfig.from_dict(engine_config)
-    model = (StepLatencyModel.from_dict(latency_model) if latency_model is not None
-             else PRESETS[FALLBACK_PRESET].latency_model)
     fitting = config.kv_capacity_tokens // TYPICAL_CONTEXT_TOKENS
     num_slots = max(1, min(config.max_num_seqs, fitting))
     decode_s = model.step_seconds(0, num_slots, num_slots * TYPICAL_CONTEXT_TOKENS)
@@ -84,9 +79,12 @@ def instance_capacity(engine_config: dict[str, Any], latency_model: dict[str, An
 
 class CapacityCache:
     """Each instance's :class:`InstanceCapacity`, recomputed only when the engine config or
-    latency model it published differs from those it was computed from."""
+    latency model it published differs from those it was computed from. The latency model is
+    the one the view simulates the instance with (:meth:`ClusterView.latency_model_of`: the
+    published one, else its preset's, else the view's prior)."""
 
-    def __init__(self) -> None:
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
         self._by_instance: dict[str, tuple[Any, Any, InstanceCapacity]] = {}
 
     def of(self, view: InstanceView) -> InstanceCapacity:
@@ -95,7 +93,7 @@ class CapacityCache:
         if cached is not None and (cached[0] is beat.engine_config or cached[0] == beat.engine_config) \
                 and (cached[1] is beat.latency_model or cached[1] == beat.latency_model):
             return cached[2]
-        capacity = instance_capacity(beat.engine_config, beat.latency_model)
+        capacity = instance_capacity(beat.engine_config, self.view.latency_model_of(beat))
         self._by_instance[view.instance_id] = (beat.engine_config, beat.latency_model, capacity)
         return capacity
 
@@ -121,9 +119,9 @@ class WeightedLeastRequests:
 
     name = "weighted_least_requests"
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, view: ClusterView, rng: random.Random) -> None:
         self.rng = rng
-        self.capacities = CapacityCache()
+        self.capacities = CapacityCache(view)
 
     def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
                bus_now_s: float | None = None) -> Decision:
@@ -138,9 +136,9 @@ class Topology:
 
     name = "topology"
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, view: ClusterView, rng: random.Random) -> None:
         self.rng = rng
-        self.capacities = CapacityCache()
+        self.capacities = CapacityCache(view)
 
     def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
                bus_now_s: float | None = None) -> Decision:
