@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from statistics import NormalDist
 
 import numpy as np
@@ -32,6 +31,9 @@ _SQRT2 = math.sqrt(2.0)
 
 # When a request carries no prediction at all: a ShareGPT-like spread around 250 tokens.
 DEFAULT_SPREAD_RATIO = 10.0
+DEFAULT_P50_TOKENS = 250
+# A quantile not given, in an int column (counts are >= 0).
+MISSING = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,45 +70,38 @@ class LengthBelief:
                    num_generated_tokens + 1)
 
 
-# Fewer rows than this are computed one by one: numpy's and the compiled call's fixed cost
-# (~20 µs) is more than a few rows' Python (small fleets and the simulation's instances
-# list a few requests a beat; the dispatch-bench's ~70).
-MIN_VECTOR_ROWS = 24
-
-
 def remaining_targets(beliefs: Sequence[LengthBelief], num_generated_tokens: np.ndarray,
                       lengths: str = "median") -> np.ndarray:
-    """:meth:`LengthBelief.remaining_target` of each belief and count (int64), equal to it
-    value for value (a test compares them): under ``median`` in numpy, the conditioned rows
-    compiled (:mod:`blockq.lengths_kernel`), since a replica rebuild asks for ~70 at a
-    time and a Python call per row was most of the rebuild."""
-    if lengths != "median" or len(beliefs) < MIN_VECTOR_ROWS:
-        return np.array([belief.remaining_target(int(generated), lengths)
-                         for belief, generated in zip(beliefs, num_generated_tokens.tolist(), strict=True)],
-                        np.int64).reshape(len(beliefs))
+    """:meth:`LengthBelief.remaining_target` of each belief and count (int64); a rebuild
+    under ``median`` uses :func:`median_targets` instead."""
+    return np.array([belief.remaining_target(int(generated), lengths)
+                     for belief, generated in zip(beliefs, num_generated_tokens.tolist(), strict=True)],
+                    np.int64).reshape(len(beliefs))
+
+
+def median_targets(p50_tokens: np.ndarray, p10_tokens: np.ndarray, p90_tokens: np.ndarray,
+                   num_generated_tokens: np.ndarray) -> np.ndarray:
+    """``belief_from_prediction(p50, p10, p90).remaining_target(generated)`` row by row
+    (int64 arrays of one length; a quantile < 0 stands for None, as :data:`MISSING`), in
+    one compiled call without making the beliefs (a replica rebuild has the quantiles as
+    columns)."""
     from blockq.lengths_kernel import (
-        quantiles_above,  # compiled: loaded only where rebuilds need it
+        median_targets as kernel,  # compiled: loaded where rebuilds need it
     )
 
-    p50 = np.array(list(map(_P50, beliefs)), np.int64).reshape(len(beliefs))
-    p10 = np.array(list(map(_P10, beliefs)), np.int64).reshape(len(beliefs))
-    targets = np.maximum(p50, num_generated_tokens + 1)
-    conditioned = np.flatnonzero(num_generated_tokens >= np.maximum(1, p10) // 2)
-    if conditioned.size:
-        chosen = [beliefs[row] for row in conditioned.tolist()]
-        generated = num_generated_tokens[conditioned]
-        medians = np.empty(len(chosen))
-        quantiles_above(np.array(list(map(_MU, chosen))), np.array(list(map(_SIGMA, chosen))), generated, 0.5,
-                        medians)
-        # np.round rounds half to even, as round() does.
-        targets[conditioned] = np.maximum(np.round(medians).astype(np.int64), generated + 1)
-    return targets
+    out = np.empty(len(p50_tokens), np.int64)
+    kernel(p50_tokens, p10_tokens, p90_tokens, num_generated_tokens, _Z90, DEFAULT_P50_TOKENS,
+           math.sqrt(DEFAULT_SPREAD_RATIO), out)
+    return out
 
 
-_P50 = attrgetter("p50_tokens")
-_P10 = attrgetter("p10_tokens")
-_MU = attrgetter("mu")
-_SIGMA = attrgetter("sigma")
+def quantile_column(values: tuple[int | None, ...]) -> Sequence[int]:
+    """A column of quantiles as :func:`median_targets` reads it (None as :data:`MISSING`)."""
+    if None not in values:
+        return values  # type: ignore[return-value]  # no None: ints
+    if values.count(None) == len(values):  # a column older workers leave out
+        return [MISSING] * len(values)
+    return [MISSING if value is None else value for value in values]
 
 
 def check_length_mode(lengths: str) -> str:
@@ -142,9 +137,9 @@ def _quantile_above(mu: float, sigma: float, num_generated_tokens: int, quantile
 
 
 def belief_from_prediction(p50_tokens: int | None, p10_tokens: int | None = None, p90_tokens: int | None = None,
-                           true_tokens: int | None = None, *, default_p50_tokens: int = 250) -> LengthBelief:
+                           true_tokens: int | None = None) -> LengthBelief:
     """A belief from whatever the request carries; missing quantiles get a default spread."""
-    p50 = max(1, p50_tokens if p50_tokens is not None else default_p50_tokens)
+    p50 = max(1, p50_tokens if p50_tokens is not None else DEFAULT_P50_TOKENS)
     spread = math.sqrt(DEFAULT_SPREAD_RATIO)
     p10 = p10_tokens if p10_tokens is not None else max(1, int(p50 / spread))
     p90 = p90_tokens if p90_tokens is not None else int(p50 * spread)

@@ -1,10 +1,11 @@
-"""The conditional quantiles of :mod:`blockq.lengths`, compiled, for many requests at once.
+"""The conditional medians of :mod:`blockq.lengths`, compiled, for many requests at once.
 
-A replica rebuild conditions ~40 requests' lengths on what they generated; one Python call
-each was most of the rebuild. :func:`quantiles_above` is :func:`blockq.lengths._quantile_above`
-value for value: the same operations in the same order, the standard normal's inverse cdf
-written out as CPython's ``statistics`` computes it (Wichura's AS241), no fast-math (so no
-reordering); ``tests/test_lengths.py`` compares them bit for bit.
+A replica rebuild gives ~70 requests an output target from their beliefs and what they
+generated; one Python call each, and the belief objects themselves, were most of the
+rebuild. :func:`median_targets` is :meth:`blockq.lengths.LengthBelief.remaining_target`
+(``median``) value for value: the same operations in the same order, the standard normal's
+inverse cdf written out as CPython's ``statistics`` computes it (Wichura's AS241), no
+fast-math (so no reordering); ``tests/test_lengths.py`` compares them.
 """
 
 from __future__ import annotations
@@ -82,18 +83,36 @@ def _inv_cdf(p: float) -> float:
     return x
 
 @numba.njit(cache=True)
-def quantiles_above(mu: np.ndarray, sigma: np.ndarray, generated: np.ndarray, quantile: float,
-                    out: np.ndarray) -> None:
-    """out[i]: the ``quantile`` of lognormal(mu[i], sigma[i]) given that it exceeds
-    generated[i] tokens, unrounded (:func:`blockq.lengths._quantile_above`)."""
+def _quantile_above(mu: float, sigma: float, generated: int, quantile: float, sqrt2: float) -> float:
+    """:func:`blockq.lengths._quantile_above`, the same operations in the same order."""
+    if generated <= 0:
+        return math.exp(mu + sigma * _inv_cdf(quantile))
+    z = (math.log(generated) - mu) / sigma
+    tail_start = 0.5 * (1.0 + math.erf(z / sqrt2))
+    level = min(1 - 1e-12, tail_start + quantile * (1 - tail_start))
+    return math.exp(mu + sigma * _inv_cdf(level))
+
+
+@numba.njit(cache=True)
+def median_targets(p50: np.ndarray, p10: np.ndarray, p90: np.ndarray, generated: np.ndarray, z90: float,
+                   default_p50: int, spread: float, out: np.ndarray) -> None:
+    """out[i]: ``belief_from_prediction(p50[i], p10[i], p90[i]).remaining_target(generated[i])``,
+    the conditional median in whole tokens, a quantile < 0 standing for None: the defaults,
+    the belief's sigma and mu and the rule's early shortcut as :mod:`blockq.lengths`
+    computes them, operation for operation (round half to even, as ``round``); ``z90``
+    is its Φ⁻¹(0.9), ``default_p50`` and ``spread`` its defaults."""
     sqrt2 = math.sqrt(2.0)
-    for i in range(len(mu)):
+    for i in range(len(p50)):
         g = generated[i]
-        if g <= 0:
-            value = math.exp(mu[i] + sigma[i] * _inv_cdf(quantile))
-        else:
-            z = (math.log(g) - mu[i]) / sigma[i]
-            tail_start = 0.5 * (1.0 + math.erf(z / sqrt2))
-            level = min(1 - 1e-12, tail_start + quantile * (1 - tail_start))
-            value = math.exp(mu[i] + sigma[i] * _inv_cdf(level))
-        out[i] = value
+        p50_i = max(1, p50[i] if p50[i] >= 0 else default_p50)
+        p10_i = p10[i] if p10[i] >= 0 else max(1, np.int64(p50_i / spread))
+        p90_i = p90[i] if p90[i] >= 0 else np.int64(p50_i * spread)
+        if g < max(1, p10_i) // 2:
+            out[i] = max(p50_i, g + 1)
+            continue
+        low = max(1, min(p10_i, p50_i))
+        high = max(p50_i, p90_i, low + 1)
+        sigma = max(0.05, math.log(high / low) / (2 * z90))
+        # Past 2**40 tokens (no engine's length) the clamp keeps the conversion defined.
+        median = min(_quantile_above(math.log(p50_i), sigma, g, 0.5, sqrt2), 2.0**40)
+        out[i] = max(np.int64(np.rint(median)), g + 1)

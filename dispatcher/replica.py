@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +38,8 @@ from blockq.lengths import (
     LengthBelief,
     belief_from_prediction,
     check_length_mode,
+    median_targets,
+    quantile_column,
     remaining_targets,
 )
 from blockq.wire.beats import Heartbeat, progress_values
@@ -296,14 +298,6 @@ class InstanceReplica:
         if min(map(len, entries)) < 8:  # entries of older workers: no p10, no refinement
             entries = [entry if len(entry) >= 8 else (*entry, None, None) for entry in entries]
         ids, prompts, computed, generated, p50s, p90s, p10s, refined_at = zip(*entries, strict=True)
-        beliefs = list(map(_belief_in_beat, p50s, p10s, p90s))
-        if self.beliefs:
-            # A request placed here keeps the belief it was placed with, unless the worker
-            # refined it from its partial output since (that knows more than the first guess).
-            refined_counts = self.lengths != "truth"
-            for row, own in enumerate(map(self.beliefs.get, ids)):
-                if own is not None and (refined_at[row] is None or not refined_counts):
-                    beliefs[row] = own
         max_model_len = self.config.max_model_len
         values = np.array([prompts, [0] * len(ids), computed, generated], np.int64).T
         prompt, computed_tokens, generated_tokens = values[:, 0], values[:, 2], values[:, 3]
@@ -313,7 +307,8 @@ class InstanceReplica:
                 # Not started yet: it will find cached what it was predicted to when placed
                 # here (a beat does not say), as its row did before the beat showed it.
                 prompt[row] = min(prompt[row], placed[1])
-        values[:, 1] = np.minimum(remaining_targets(beliefs, generated_tokens, self.lengths), max_model_len - prompt)
+        targets = self._targets(ids, (p50s, p10s, p90s), refined_at, generated_tokens)
+        values[:, 1] = np.minimum(targets, max_model_len - prompt)
         # At its length limit, a request finishes on its next token: nothing to model.
         keep = generated_tokens < values[:, 1]
         num_running = int(keep[:len(beat.running)].sum())
@@ -321,6 +316,31 @@ class InstanceReplica:
             return list(ids), values, num_running
         return [request_id for request_id, kept in zip(ids, keep.tolist(), strict=True) if kept], values[keep], \
             num_running
+
+    def _targets(self, ids: Sequence[str], quantiles: tuple[Sequence[int | None], ...],
+                 refined_at: Sequence[int | None], generated_tokens: np.ndarray) -> np.ndarray:
+        """Output targets for a beat's requests (``quantiles``: the beat's p50, p10 and p90
+        columns) under this replica's length mode. A request placed here keeps the belief it
+        was placed with, unless the worker refined it from its partial output since (that
+        knows more than the first guess); a request the beat gives no quantiles for gets
+        the default spread (:func:`belief_from_prediction`)."""
+        own = self.beliefs
+        owned = [row for row, request_id in enumerate(ids) if request_id in own] if own else []
+        if self.lengths != "median":
+            beliefs = list(map(_belief_in_beat, *quantiles))
+            for row in owned:
+                if refined_at[row] is None or self.lengths == "truth":
+                    beliefs[row] = own[ids[row]]
+            return remaining_targets(beliefs, generated_tokens, self.lengths)
+        columns = [quantile_column(column) for column in quantiles]
+        rows = [row for row in owned if refined_at[row] is None]
+        if rows:
+            p50s, p10s, p90s = columns = [list(column) for column in columns]
+            for row in rows:
+                belief = own[ids[row]]
+                p50s[row], p10s[row], p90s[row] = belief.p50_tokens, belief.p10_tokens, belief.p90_tokens
+        p50, p10, p90 = np.array(columns, np.int64)
+        return median_targets(p50, p10, p90, generated_tokens)
 
     def _observe_samples(self, beat: Heartbeat) -> None:
         for sample in beat.step_samples:

@@ -350,9 +350,9 @@ def warm_up() -> None:
     scheduler.what_if(40, 20, scheduler.now_s, future.times[:, layout.FINISHED].copy())
     scheduler.first_token_if(40, 20, scheduler.now_s)
     PackedScheduler.restored(preset.config, preset.latency_model, 0.0, [("warm-up-r", 40, 20, 10, 1)], [])
-    # A replica rebuild's length targets are compiled too (blockq.lengths.remaining_targets).
-    from blockq.lengths_kernel import quantiles_above
-    quantiles_above(np.zeros(1), np.ones(1), np.ones(1, np.int64), 0.5, np.empty(1))
+    # A replica rebuild's length targets are compiled too (blockq.lengths.median_targets).
+    from blockq.lengths import median_targets
+    median_targets(*np.ones((4, 1), np.int64))
 
 
 @lru_cache(maxsize=256)
