@@ -59,6 +59,7 @@ class InstanceView:
     # and the next decision that needs it rebuilds it (ClusterView.replica).
     replica_beat: Heartbeat | None = None
     replica_used_at_s: float = float("-inf")  # when a decision last asked for the replica
+    replica_built_at_s: float = float("-inf")  # when it was last rebuilt (the caller's clock)
     # Whether refresh_health already reported this instance gone (dead or stopped) since
     # its last beat that said otherwise: its queue is re-placed once per departure.
     left_reported: bool = False
@@ -145,22 +146,33 @@ class ClusterView:
             return get_preset(beat.preset).latency_model
         return self.prior_latency_model
 
-    def replica(self, view: InstanceView, now_wall_s: float, *, keep_current: bool = True) -> InstanceReplica:
+    def replica(self, view: InstanceView, now_wall_s: float, *, keep_current: bool = True,
+                explore: bool = False) -> InstanceReplica:
         """``view``'s scheduler replica at ``now_wall_s``: rebuilt from the latest beat when
         it was built from an older one (or never), else advanced along its own trajectory
         (which already includes every assignment made since its last rebuild).
         ``keep_current``: the caller will likely need it again soon, so its next beats
-        rebuild it at once (:data:`HOT_REPLICA_S`); false for a one-off look."""
+        rebuild it at once (:data:`HOT_REPLICA_S`); false for a one-off look.
+        ``explore``: a look to learn from, not to place by: a replica rebuilt (from an
+        older beat) no more than :data:`EXPLORE_STALE_S` ago is advanced instead of rebuilt
+        (a rebuild costs several times more); the caller asks again without ``explore``
+        before placing by it (:meth:`is_current` tells)."""
         if keep_current:
             view.replica_used_at_s = now_wall_s
         if view.replica is None:
             self._create_replica(view)
             assert view.replica is not None
-        if view.replica_beat is not view.heartbeat:
+        if view.replica_beat is not view.heartbeat and not (
+                explore and view.replica_beat is not None and now_wall_s - view.replica_built_at_s <= EXPLORE_STALE_S):
             self._rebuild(view, now_wall_s)
         else:
             view.replica.advance(now_wall_s)
         return view.replica
+
+    @staticmethod
+    def is_current(view: InstanceView) -> bool:
+        """Whether ``view``'s replica was rebuilt from its latest beat."""
+        return view.replica is not None and view.replica_beat is view.heartbeat
 
     def apply_heartbeat(self, beat: Heartbeat, now_s: float, heard_at_s: float | None = None) -> InstanceView:
         """Record ``beat``; stale or repeated beats (seq not newer) change nothing.
@@ -285,6 +297,7 @@ class ClusterView:
         assert view.replica is not None
         view.replica.sync(view.heartbeat, view.assigned_not_seen.values(), now_wall_s)
         view.replica_beat = view.heartbeat
+        view.replica_built_at_s = now_wall_s
         self.num_replica_rebuilds += 1
 
     def _reconcile(self, view: InstanceView, beat: Heartbeat) -> None:
@@ -420,6 +433,12 @@ def _indexes_prefixes(beat: Heartbeat, scheme: PrefixScheme) -> bool:
 # inside the next decision: a few beat intervals, so that the instances decisions keep
 # simulating (all of a small fleet; the shortlist's best of a large one) stay current.
 HOT_REPLICA_S = 0.2
+
+# How old the beat an explored replica was last rebuilt from may be, wall seconds, for it
+# to be advanced along its own trajectory rather than rebuilt (ClusterView.replica's
+# ``explore``): a few beat intervals, the drift between two rebuilds of a replica in use.
+# Past it, the advance costs about as much as a rebuild and has drifted further.
+EXPLORE_STALE_S = 1.0
 
 # The prior for an instance that publishes no latency model and no known preset (a vLLM
 # engine): a 7B model's step profile, which the replica refits from the instance's own

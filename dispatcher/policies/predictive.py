@@ -47,6 +47,7 @@ class _Ranked:
     replica: InstanceReplica
     size: tuple[int, int]
     forecast: Forecast | None
+    stale: bool = False  # simulated on a replica not rebuilt from its latest beat (explored)
 
 
 class Block:
@@ -95,10 +96,19 @@ class Block:
     def _best(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
               bus_now_s: float | None = None) -> Decision:
         lanes = self._lane_ids(candidates)
-        ranked = self._ranked(request, self.shortlist.select(candidates, lanes, now_s), now_s)
-        ranked = self._meeting_the_slo_first(request, ranked, now_s, bus_now_s)
-        if lanes and _keeps_off_lanes(ranked):
-            ranked = self._lanes_last(request, ranked, lanes, now_s, bus_now_s)
+        sizes: dict[int, tuple[int, int]] = {}
+        shortlist = self.shortlist.select(candidates, lanes, now_s)
+        explored = self.shortlist.explored  # of this shortlist
+        ranked = [self._simulated(request, candidate, now_s, sizes, explore=candidate.instance_id in explored)
+                  for candidate in shortlist]
+        ranked = self._ordered(request, ranked, lanes, now_s, bus_now_s)
+        # What a decision places by is simulated on current replicas: an explored one
+        # that would be taken is simulated again, rebuilt from its latest beat, and the
+        # candidates ranked again (its first look was on a replica past its beat).
+        num_taken = max(1, self.kv_guard_candidates)
+        while (stale := next((i for i, item in enumerate(ranked[:num_taken]) if item.stale), None)) is not None:
+            ranked[stale] = self._simulated(request, ranked[stale].candidate, now_s, sizes, explore=False)
+            ranked = self._ordered(request, ranked, lanes, now_s, bus_now_s)
         chosen = ranked[0]
         for item in ranked[:self.kv_guard_candidates]:
             upper_size = item.replica.request_size(request, lengths="upper")
@@ -116,40 +126,48 @@ class Block:
         return Decision(chosen.candidate.instance_id, predicted_ttft_ms=(chosen_forecast.ttft_s + load_s) * 1000,
                         predicted_e2e_ms=(chosen_forecast.e2e_s + load_s) * 1000)
 
-    def _ranked(self, request: Request, candidates: Sequence[InstanceView], now_s: float) -> list[_Ranked]:
-        """``candidates`` simulated with the request, best score first (ties at random)."""
+    def _ordered(self, request: Request, ranked: list[_Ranked], lanes: frozenset[str], now_s: float,
+                 bus_now_s: float | None) -> list[_Ranked]:
+        """``ranked`` best first: by score (ties at random), those keeping the TTFT
+        objective first, the long-prompt lanes behind the others within reach."""
+        ranked = sorted(ranked, key=lambda item: item.key)
+        ranked = self._meeting_the_slo_first(request, ranked, now_s, bus_now_s)
+        if lanes and _keeps_off_lanes(ranked):
+            ranked = self._lanes_last(request, ranked, lanes, now_s, bus_now_s)
+        return ranked
+
+    def _simulated(self, request: Request, candidate: InstanceView, now_s: float,
+                   sizes: dict[int, tuple[int, int]], *, explore: bool) -> _Ranked:
+        """``candidate`` simulated with the request (``explore``: a candidate the
+        shortlist only explores, simulated on its replica as it is when that is recent
+        enough, and not kept current beat by beat: :meth:`ClusterView.replica`).
+        ``sizes``: the request's size by ``max_model_len``, shared by the candidates of a
+        decision (the same on most fleets), unless a prefix cache makes each candidate's
+        prefill its own."""
         # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
         # one's run to the end (the replica's next baseline, the predicted E2E) follows.
         ttft_only = self.objective == "ttft" and not self.kv_guard_candidates
-        ranked = []
-        # By max_model_len (the same on most fleets), unless a prefix cache makes each
-        # candidate's prefill its own.
-        sizes: dict[int, tuple[int, int]] = {}
-        explored = self.shortlist.explored
-        for candidate in candidates:
-            # An instance the shortlist only explores need not be kept current beat by beat.
-            replica = self.view.replica(candidate, now_s, keep_current=candidate.instance_id not in explored)
+        replica = self.view.replica(candidate, now_s, keep_current=not explore, explore=explore)
+        if replica.prefix_index is not None:
+            size = replica.request_size(request)
+        else:
             max_model_len = replica.config.max_model_len
-            if replica.prefix_index is not None:
-                size = replica.request_size(request)
-            else:
-                if max_model_len not in sizes:
-                    sizes[max_model_len] = replica.request_size(request)
-                size = sizes[max_model_len]
-            if ttft_only:
-                candidate_forecast, ttft_s = None, forecast_ttft(replica, *size)
-                score = ttft_s
-            else:
-                candidate_forecast = forecast(replica, request.id, *size)
-                ttft_s, score = candidate_forecast.ttft_s, candidate_forecast.score(self.objective)
-            if request.model is not None:  # a LoRA adapter's load and slot (dispatcher.adapters)
-                charge_s = adapter_charge(candidate, request.model).rank_s
-                ttft_s, score = ttft_s + charge_s, score + charge_s
-            # Scores equal to 1e-9 s are ties, broken at random.
-            key = (round(score, 9), self.rng.random())
-            ranked.append(_Ranked(key, ttft_s, candidate, replica, size, candidate_forecast))
-        ranked.sort(key=lambda item: item.key)
-        return ranked
+            if max_model_len not in sizes:
+                sizes[max_model_len] = replica.request_size(request)
+            size = sizes[max_model_len]
+        if ttft_only:
+            candidate_forecast, ttft_s = None, forecast_ttft(replica, *size)
+            score = ttft_s
+        else:
+            candidate_forecast = forecast(replica, request.id, *size)
+            ttft_s, score = candidate_forecast.ttft_s, candidate_forecast.score(self.objective)
+        if request.model is not None:  # a LoRA adapter's load and slot (dispatcher.adapters)
+            charge_s = adapter_charge(candidate, request.model).rank_s
+            ttft_s, score = ttft_s + charge_s, score + charge_s
+        # Scores equal to 1e-9 s are ties, broken at random.
+        key = (round(score, 9), self.rng.random())
+        return _Ranked(key, ttft_s, candidate, replica, size, candidate_forecast,
+                       stale=not self.view.is_current(candidate))
 
     def _learn(self, ranked: list[_Ranked], now_s: float) -> None:
         """Tell the shortlist when each simulated instance could start a new request's
