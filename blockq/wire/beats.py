@@ -263,9 +263,7 @@ class ProgressList(Sequence[RequestProgress]):
 
     def column(self, position: int) -> list[Any]:
         """One field of every entry (0: the request ids), without making the entries."""
-        if self._raw is not None:
-            return list(map(itemgetter(position), self._raw))
-        return [item[position] for item in self._made()]
+        return list(map(itemgetter(position), self._raw if self._raw is not None else self._made()))
 
     def values(self) -> Sequence[Sequence[Any]]:
         """The entries as decoded lists (6 or 8 values), or as entries once made."""
@@ -306,7 +304,7 @@ def progress_column(progress: Sequence[RequestProgress], position: int) -> list[
     tokens), of a decoded one without making its entries."""
     if isinstance(progress, ProgressList):
         return progress.column(position)
-    return [item[position] for item in progress]
+    return list(map(itemgetter(position), progress))
 
 
 def _finished_ids(values: Any) -> tuple[str, ...]:

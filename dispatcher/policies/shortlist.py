@@ -91,10 +91,10 @@ class Shortlist:
         if self._jitter is None:
             self._jitter = np.random.default_rng(self.rng.getrandbits(64))
         jitter = self._jitter.random(len(candidates)) * TIE_JITTER_S
-        # Untried instances have neither a start nor a learnt time (NaN): never "known".
+        # Untried instances have no start time (NaN): never "known".
         best = np.maximum(self._starts, now_s) + (now_s - self._learnt) * AGE_WEIGHT + jitter
         best[np.isnan(best)] = np.inf
-        oldest = np.nan_to_num(self._learnt, nan=NEVER_S) + jitter
+        oldest = self._learnt + jitter
         num_explored = max(1, int(self.size * EXPLORE_SHARE))
         explored = _smallest(oldest, num_explored)
         self.explored = frozenset(candidates[i].instance_id for i in explored)
@@ -123,7 +123,8 @@ class Shortlist:
         self._position = {instance_id: i for i, instance_id in enumerate(ids)}
         starts = self.start_at_s
         self._starts = np.array([starts.get(instance_id, np.nan) for instance_id in ids])
-        self._learnt = np.array([self.learnt_at_s.get(instance_id, np.nan) for instance_id in ids])
+        # Untried instances were learnt from at NEVER_S: explored first.
+        self._learnt = np.array([self.learnt_at_s.get(instance_id, NEVER_S) for instance_id in ids])
         self._in_lane = np.array([instance_id in lanes for instance_id in ids], dtype=bool)
         if len(starts) > 2 * len(ids):  # instances gone long ago: forget them
             self.start_at_s = {instance_id: starts[instance_id] for instance_id in ids if instance_id in starts}
