@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from blockq.wire.beats import RequestProgress
-from dispatcher.cluster_view import ClusterView
+from dispatcher.cluster_view import EXPLORE_STALE_S, ClusterView
 from dispatcher.core import DispatcherCore, Placed
 from dispatcher.policies import make_policy
 from dispatcher.policies.predictive import lane_ids
@@ -115,3 +116,44 @@ def test_select_takes_the_best_known_and_explores_the_untried_then_the_oldest() 
 def test_a_negative_shortlist_is_refused() -> None:
     with pytest.raises(ValueError, match="num_simulated_candidates"):
         DispatcherCore("block", num_simulated_candidates=-1)
+
+
+def test_an_explored_replica_is_advanced_until_it_is_too_old_then_rebuilt() -> None:
+    view = ClusterView(keep_replicas=True)
+    (beat,) = fleet(1)
+    view.apply_heartbeat(beat, NOW_S)
+    (candidate,) = view.live_instances()
+    view.replica(candidate, NOW_S, keep_current=False)  # not kept current by the beats
+    assert view.num_replica_rebuilds == 1 and view.is_current(candidate)
+    newer = loaded_beat(candidate.instance_id, random.Random(5), num_waiting=3)
+    view.apply_heartbeat(replace(newer, seq=2, sent_at_s=NOW_S + 0.1), NOW_S + 0.1)
+    assert not view.is_current(candidate)
+    # A look to explore: advanced along its own trajectory, not rebuilt from the newer beat.
+    replica = view.replica(candidate, NOW_S + 0.5, keep_current=False, explore=True)
+    assert view.num_replica_rebuilds == 1 and not view.is_current(candidate)
+    assert replica.now_s == pytest.approx(NOW_S + 0.5)
+    # Asked to place by, or built too long ago to explore on: rebuilt.
+    view.replica(candidate, NOW_S + 0.5 + EXPLORE_STALE_S, keep_current=False, explore=True)
+    assert view.num_replica_rebuilds == 2 and view.is_current(candidate)
+
+
+def test_a_decision_places_by_a_replica_rebuilt_from_the_latest_beat() -> None:
+    # 41 instances, a shortlist of 4: after every instance beats again, each replica is
+    # older than its beat; whatever was explored on a stale one, the instance taken is
+    # simulated on its rebuilt replica, and its forecast is the one placed with.
+    beats = fleet(41, seed=4)
+    core = DispatcherCore("block", seed=7, num_simulated_candidates=4)
+    for beat in beats:
+        core.apply_heartbeat(beat, NOW_S)
+    rng = random.Random(3)
+    for index in range(60):
+        now_s = NOW_S + index * 0.01
+        if index % 10 == 0:
+            for beat in beats:
+                core.apply_heartbeat(replace(beat, seq=beat.seq + index + 1, sent_at_s=now_s), now_s)
+        request = make_request("x " * rng.randrange(10, 400), max_tokens=800, predicted=rng.randrange(20, 500),
+                               submitted_at_s=NOW_S)
+        (outcome,) = core.place([request], now_s)
+        assert isinstance(outcome, Placed)
+        chosen = core.view.instances[outcome.request.assignment.instance_id]
+        assert core.view.is_current(chosen)
