@@ -12,14 +12,17 @@ one instead of replacing it with an embedded engine (``blockq worker --engine vl
 - **LoRA adapters** (``vllm serve --enable-lora --lora-modules name=path``): ``/v1/models``
   lists each as its own entry whose ``parent`` is the base model; they are the engine config's
   ``lora_adapters``, and a request naming one is sent with it as the completion's ``model``.
-  ``max_loras`` and the adapters of the running and waiting requests come from ``/metrics``'
-  ``vllm:lora_requests_info`` gauge (labels ``max_lora``, ``running_lora_adapters``,
-  ``waiting_lora_adapters``; vLLM keeps one series per label set ever seen, the newest holding
-  the time it was set). vLLM sets it only once it has stepped, so until then ``max_loras`` is
-  the worker's option. Resident adapters (``loaded_loras``) are as the embedded engine tells
-  them (:class:`workers.engines.streamed.AdapterActivity`): those seen running, here by the
-  server's gauge or by a request of this worker's streaming tokens. Adapters loaded into the
-  server after the worker started (``/v1/load_lora_adapter``) are not seen;
+  ``max_loras`` comes from ``/metrics``' ``vllm:lora_requests_info`` gauge (label ``max_lora``;
+  vLLM keeps one series per label set ever seen, the newest holding the time it was set), which
+  vLLM sets only once it has stepped: until then it is the worker's option. The adapters in use:
+  the gauge's ``running_lora_adapters`` / ``waiting_lora_adapters`` labels, with this worker's
+  own requests, those streaming as running and those not started as waiting. (vLLM 0.32 names
+  in both labels every adapter with a request it has scheduled and not finished, whatever its
+  state, and a request only once it has been scheduled: the labels hold no counts, so the split
+  is not theirs, and a request skipped by the ``max_loras`` rule shows only as this worker's.)
+  Resident adapters (``loaded_loras``) are as the embedded engine tells them
+  (:class:`workers.engines.streamed.AdapterActivity`): those seen running. Adapters loaded into
+  the server after the worker started (``/v1/load_lora_adapter``) are not seen;
 - **tokens**: each request is one streamed ``/v1/completions`` call (text or token ids,
   vLLM's ``ignore_eos`` / ``min_tokens`` extensions, ``continuous_usage_stats`` so every
   chunk says how many tokens have come);
@@ -311,15 +314,18 @@ class VllmHttpEngine:
 
     def _record_adapters(self) -> None:
         """The server's ``max_loras`` once it says, and the adapters running and waiting: the
-        server's, with the adapters of this worker's own requests streaming (the server's
-        gauge is as of its last step, and a short request runs between two reads)."""
+        server's, with those of this worker's own requests, streaming or not yet (the server's
+        gauge is as of its last step and names no request it has not scheduled)."""
         if self.adapters is None:
             return
         if self.metrics.max_loras:
             self.adapters.max_loras = self.metrics.max_loras
-        own_running = (t.spec.model for t in self._tracked.values()
-                       if t.num_tokens_seen and t.spec.model in self.lora_adapters)
-        self.adapters.record((*self.metrics.running_lora_adapters, *own_running), self.metrics.waiting_lora_adapters)
+        own_running, own_waiting = [], []
+        for tracked in self._tracked.values():
+            if tracked.spec.model in self.lora_adapters:
+                (own_running if tracked.num_tokens_seen else own_waiting).append(tracked.spec.model)
+        self.adapters.record((*self.metrics.running_lora_adapters, *own_running),
+                             (*self.metrics.waiting_lora_adapters, *own_waiting))
 
     def _body(self, spec: EngineRequestSpec) -> dict[str, Any]:
         max_tokens = spec.max_tokens

@@ -28,9 +28,8 @@ class VllmStats(EngineCounters):
         if scheduler_stats is None:
             return
         if self.adapters is not None:
-            # vLLM's dicts of adapter name -> requests
-            self.adapters.record(getattr(scheduler_stats, "running_lora_adapters", None) or (),
-                                 getattr(scheduler_stats, "waiting_lora_adapters", None) or ())
+            self.adapters.record(_with_requests(getattr(scheduler_stats, "running_lora_adapters", None)),
+                                 _with_requests(getattr(scheduler_stats, "waiting_lora_adapters", None)))
         self.num_running = int(scheduler_stats.num_running_reqs)
         self.num_waiting = int(scheduler_stats.num_waiting_reqs) + int(scheduler_stats.num_skipped_waiting_reqs)
         self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
@@ -53,3 +52,10 @@ class VllmStats(EngineCounters):
         if self.adapters is not None:
             stats.update(self.adapters.engine_stats())
         return stats
+
+
+def _with_requests(adapter_to_num_requests: dict[str, int] | None) -> list[str]:
+    """The adapters with requests in one of vLLM's LoRA stats (its dicts name every adapter
+    with a request it has scheduled and not finished, in both, with a count of 0 where none
+    is in that state: ``vllm/v1/metrics/stats.py``, ``LoRARequestStates``)."""
+    return [name for name, num_requests in (adapter_to_num_requests or {}).items() if num_requests]
