@@ -60,7 +60,7 @@ $(VLLM_STAMP): pyproject.toml
 # size vLLM on a CPU node and refuse what cannot start; about 8 minutes here)
 # and the engine model against vLLM's own scheduler, step for step (about 35 s).
 test-vllm: vllm
-	@BLOCKQ_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s tests/test_vllm_real.py tests/test_vllm_scheduler_diff.py tests/test_vllm_fidelity.py tests/test_vllm_defaults.py tests/test_vllm_state.py tests/test_vllm_http_engine.py tests/test_vllm_prefix_hashes.py tests/test_vllm_lora.py; rc=$$?; \
+	@BLOCKQ_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s tests/test_vllm_real.py tests/test_vllm_scheduler_diff.py tests/test_vllm_fidelity.py tests/test_vllm_defaults.py tests/test_vllm_state.py tests/test_vllm_http_engine.py tests/test_vllm_prefix_hashes.py tests/test_vllm_lora.py tests/test_vllm_http_lora.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
 
 lint: setup

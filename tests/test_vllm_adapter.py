@@ -231,11 +231,13 @@ def test_lora_options_reach_vllm_and_the_beat_names_the_adapters() -> None:
     assert engine.validate(replace(spec("a"), model="sql")) is None
     assert engine.validate(replace(spec("a"), model="base")) is None
     assert engine.engine_config()["lora_adapters"] == ["sql", "poems"] and engine.engine_config()["loaded_loras"] == []
-    for running in ({"sql": 2}, {"poems": 1}):  # one resident at a time (max_loras 1): the latest running
+    # One resident at a time (max_loras 1): the latest running. vLLM's dicts name every adapter
+    # with a request it tracks, in both, with 0 where none is in that state.
+    for running in ({"sql": 2, "poems": 0}, {"poems": 1, "sql": 0}):
         engine.stats.record(SimpleNamespace(
             num_running_reqs=2, num_waiting_reqs=1, num_skipped_waiting_reqs=0, kv_cache_usage=0.1,
             prefix_cache_stats=None, iteration_details=None, running_lora_adapters=running,
-            waiting_lora_adapters={"sql": 1}), None, 1000)
+            waiting_lora_adapters={"sql": 1, "poems": 0}), None, 1000)
     assert engine.engine_config()["loaded_loras"] == ["poems"]
     stats = engine.engine_stats()
     assert stats["running_lora_adapters"] == ["poems"] and stats["waiting_lora_adapters"] == ["sql"]

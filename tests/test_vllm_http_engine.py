@@ -11,21 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from blockq.local.embedded_redis import free_port
 from tests.conftest import import_or_skip, run_blockq, write_tiny_model
+from tests.vllm_helpers import vllm_serve
 from workers.engines.base import EngineRequestSpec
-from workers.engines.vllm_http import ServerMetrics, VllmHttpEngine, VllmHttpOptions
+from workers.engines.vllm_http import ServerMetrics, VllmHttpEngine, VllmHttpOptions, served_models
 
 METRICS_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -54,22 +48,125 @@ def test_server_metrics_parse_vllms_names() -> None:
     assert metrics.cache_config["num_gpu_blocks"] == "512" and metrics.cache_config["block_size"] == "32"
 
 
+# vLLM keeps a series of its LoRA gauge for every label set it has set; the value is when.
+LORA_METRICS_TEXT = """\
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,poems",waiting_lora_adapters=""} 1.7e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="poems",waiting_lora_adapters="sql"} 1.7000001e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.6e9
+"""
+
+# /v1/models of `vllm serve --served-model-name tiny --lora-modules sql=/a/sql,poems=/a/poems`
+MODEL_CARDS = [{"id": "tiny", "root": "/m/tiny", "parent": None, "max_model_len": 1024},
+               {"id": "sql", "root": "/a/sql", "parent": "tiny", "max_model_len": None},
+               {"id": "poems", "root": "/a/poems", "parent": "tiny", "max_model_len": None}]
+
+
+def test_server_metrics_parse_the_newest_lora_info() -> None:
+    assert ServerMetrics.parse(METRICS_TEXT).max_loras == 0  # the server has not set it (or has no LoRA)
+    metrics = ServerMetrics.parse(METRICS_TEXT + LORA_METRICS_TEXT)
+    assert (metrics.max_loras, metrics.running_lora_adapters, metrics.waiting_lora_adapters) == (2, ("poems",), ("sql",))
+    assert metrics.num_running == 3  # the rest as before
+
+
+def test_served_models_are_the_base_and_its_adapters() -> None:
+    base, adapters = served_models(MODEL_CARDS)
+    assert base["id"] == "tiny" and adapters == ("sql", "poems")
+    assert served_models(MODEL_CARDS[:1]) == (MODEL_CARDS[0], ())
+    # an adapter entry naming its base model in root rather than parent
+    assert served_models([{"id": "tiny", "root": "tiny"}, {"id": "sql", "root": "tiny"}])[1] == ("sql",)
+
+
+@contextlib.contextmanager
+def _stub_server(metrics_text: str) -> Iterator[tuple[str, list[dict]]]:
+    """A stand-in ``vllm serve``: MODEL_CARDS, ``metrics_text`` and completions of one token
+    each; its URL and the completion bodies it was sent."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    bodies: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            text = json.dumps({"data": MODEL_CARDS}) if self.path == "/v1/models" else metrics_text
+            self._send(text.encode(), "text/plain")
+
+        def do_POST(self) -> None:
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            chunk = {"choices": [{"text": "x", "finish_reason": "length"}], "usage": {"completion_tokens": 1}}
+            self._send(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode(), "text/event-stream")
+
+        def _send(self, body: bytes, content_type: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", bodies
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_the_engine_publishes_the_servers_adapters_and_names_them_in_completions() -> None:
+    from dataclasses import replace
+
+    async def run(engine: VllmHttpEngine, models: list[str | None]) -> list:
+        for index, model in enumerate(models):
+            engine.add_request(replace(_spec(f"r{index}", 1), model=model))
+        events = []
+        while engine.has_unfinished_requests():
+            events.extend((await engine.step()).events)
+        engine.shutdown()
+        await asyncio.sleep(0.05)
+        return events
+
+    with _stub_server(METRICS_TEXT) as (url, bodies):  # no LoRA gauge yet: the worker's max_loras
+        engine = VllmHttpEngine(VllmHttpOptions(url, max_loras=4))
+        config = engine.engine_config()
+        assert (config["lora_adapters"], config["max_loras"], config["loaded_loras"]) == (["sql", "poems"], 4, [])
+        assert engine.model == "vllm:/m/tiny" and engine.engine_config() is config  # unchanged: the same dict
+        assert "gpt-9" in (engine.validate(replace(_spec("x", 1), model="gpt-9")) or "")
+        assert engine.validate(replace(_spec("x", 1), model="sql")) is None
+        events = asyncio.run(run(engine, ["sql", "vllm:/m/tiny", None, "poems"]))
+        assert all(e.finished and e.finish_reason == "length" for e in events) and len(events) == 4
+        assert sorted(body["model"] for body in bodies) == ["poems", "sql", "tiny", "tiny"]
+        assert engine.engine_config()["loaded_loras"] in (["sql", "poems"], ["poems", "sql"])  # seen streaming
+    with _stub_server(METRICS_TEXT + LORA_METRICS_TEXT) as (url, bodies):  # the server's figures win
+        engine = VllmHttpEngine(VllmHttpOptions(url, max_loras=4))
+        assert engine.engine_config()["max_loras"] == 2 and engine.engine_config()["loaded_loras"] == ["poems"]
+        stats = engine.engine_stats()
+        assert stats["running_lora_adapters"] == ["poems"] and stats["waiting_lora_adapters"] == ["sql"]
+
+
 def test_options_are_checked() -> None:
     with pytest.raises(ValueError, match="url"):
         VllmHttpOptions("localhost:8000")
     with pytest.raises(ValueError, match="max_num_seqs"):
         VllmHttpOptions("http://127.0.0.1:8000", max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_loras"):
+        VllmHttpOptions("http://127.0.0.1:8000", max_loras=0)
 
 
 def test_up_runs_one_worker_per_server() -> None:
     from blockq.config import ConfigError
     from blockq.local.cluster_config import ClusterConfig
 
-    config = ClusterConfig().with_overrides(engine="vllm-http", instances=2, vllm_max_num_seqs=16,
+    config = ClusterConfig().with_overrides(engine="vllm-http", instances=2, vllm_max_num_seqs=16, vllm_max_loras=4,
                                             vllm_urls=("http://10.0.0.1:8000", "http://10.0.0.2:8000"))
     argvs = [config.worker_child(i, i, 1)[1] for i in range(config.num_worker_processes)]
     assert [argv[argv.index("--url") + 1] for argv in argvs] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     assert all(argv[argv.index("--max-num-seqs") + 1] == "16" and "--model" not in argv for argv in argvs)
+    assert all(argv[argv.index("--max-loras") + 1] == "4" for argv in argvs)  # until the servers' /metrics say
     with pytest.raises(ConfigError, match="vllm_urls"):
         ClusterConfig().with_overrides(engine="vllm-http")
     with pytest.raises(ConfigError, match="instances"):
@@ -84,37 +181,8 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``vllm serve`` of the tiny model on a free port: its URL."""
     import_or_skip("vllm")
     root = tmp_path_factory.mktemp("vllm-http")
-    write_tiny_model(root / "model")
-    port = free_port()
-    log = (root / "serve.log").open("w")
-    # the KV size is the flag's: vLLM-CPU would let a VLLM_CPU_KVCACHE_SPACE replace it
-    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}, "VLLM_LOGGING_LEVEL": "WARNING"}
-    server = subprocess.Popen(
-        # `vllm serve` itself, as a module: vllm-cpu's `vllm` command looks for a package named vllm
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "model"), "--port", str(port),
-         "--host", "127.0.0.1", "--served-model-name", "tiny", "--max-model-len", "1024", "--block-size", "32",
-         "--kv-cache-memory-bytes", str(4 * 1024 * 1024), "--max-num-seqs", "8", "--enforce-eager"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (root / "serve.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
-                time.sleep(1)
+    with vllm_serve(write_tiny_model(root / "model"), root / "serve.log") as url:
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
 
 
 def _spec(request_id: str, num_tokens: int) -> EngineRequestSpec:

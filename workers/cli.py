@@ -98,7 +98,8 @@ def build_engine(args: argparse.Namespace, index: int):  # noqa: ANN201 - Engine
         options = VllmHttpOptions(args.url, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   api_key=os.environ.get(VLLM_HTTP_API_KEY_ENV) or None,
-                                  kv_events_url=args.kv_events_url, model_dir=getattr(args, "model", None))
+                                  kv_events_url=args.kv_events_url, model_dir=getattr(args, "model", None),
+                                  max_loras=args.max_loras)
         return VllmHttpEngine(options, profile_latency_model=_profile_latency_model(args))
     if args.engine == "vllm":
         from workers.engines.vllm import VllmEngine

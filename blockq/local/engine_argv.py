@@ -56,6 +56,8 @@ def engine_argv(config: ClusterConfig, process_index: int, preset: str) -> list[
     profile = ["--profile", config.preset] if config.preset.endswith(".json") else []  # the latency model published
     if config.engine == "vllm-http":
         limits = [] if config.vllm_max_num_seqs is None else ["--max-num-seqs", str(config.vllm_max_num_seqs)]
+        if config.vllm_max_loras is not None:  # the servers' own, until their /metrics say
+            limits += ["--max-loras", str(config.vllm_max_loras)]
         events = ["--kv-events-url", config.vllm_kv_events_urls[process_index], "--model", str(config.model)] \
             if config.vllm_kv_events_urls else []
         return ["--engine", "vllm-http", "--url", config.vllm_urls[process_index], *profile, *limits, *events]

@@ -57,7 +57,8 @@ VLLM_UP_OPTIONS = (
     ("--max-model-len", int, "vLLM max_model_len"),
     ("--max-num-seqs", int, "vLLM max_num_seqs"),
     ("--lora-modules", str, "LoRA adapters every vLLM instance serves, NAME=PATH,... (vLLM --enable-lora)"),
-    ("--max-loras", int, "vLLM max_loras: adapters resident and in one batch at most"),
+    ("--max-loras", int, "vLLM max_loras: adapters resident and in one batch at most (vllm-http: the "
+                         "servers', until their /metrics say)"),
 )
 
 # A child that died this many times in a row before the cluster was ready will not come up

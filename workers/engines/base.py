@@ -6,6 +6,7 @@ and the vLLM adapter (a real engine on a GPU).
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -69,6 +70,14 @@ class EngineRequestSpec:
     prefix_block_hashes: tuple[int, ...] = ()
     output_text: str | None = None  # a trace's recorded answer: what the emulated engine streams
     model: str | None = None  # the base model or LoRA adapter asked for (None: the base model)
+
+
+def model_refusal(spec: EngineRequestSpec, base_model: str, adapter_names: Container[str]) -> str | None:
+    """Why an engine serving ``base_model`` and the LoRA adapters ``adapter_names`` cannot
+    serve the model ``spec`` names (``Engine.validate``), or None."""
+    if spec.model is not None and spec.model != base_model and spec.model not in adapter_names:
+        return f"model: {spec.model!r} is not served here (base model {base_model!r})"
+    return None
 
 
 class Engine(Protocol):

@@ -41,7 +41,7 @@ from blockq.engine_model import EngineRequest, EngineScheduler, StepResult, get_
 from blockq.text.block_hashes import PREFIX_BLOCK_TOKENS, continued_block_hashes, num_filled_blocks
 from blockq.text.tokenizer import AnswerTokenizer
 from blockq.wire.beats import RequestProgress
-from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent, model_refusal
 
 log = structlog.get_logger(__name__)
 
@@ -164,8 +164,9 @@ class EmulatedEngine:
         return (self.clock() - self._wall_origin_s) / self.time_scale
 
     def validate(self, spec: EngineRequestSpec) -> str | None:
-        if spec.model is not None and spec.model != self.model and spec.model not in self._lora_ids:
-            return f"model: {spec.model!r} is not served here (base model {self.model!r})"
+        refusal = model_refusal(spec, self.model, self._lora_ids)
+        if refusal is not None:
+            return refusal
         if spec.prompt_tokens >= self.config.max_model_len:
             return (f"prompt: {spec.prompt_tokens} tokens leave no room for output within "
                     f"max_model_len {self.config.max_model_len}")

@@ -1,14 +1,15 @@
 """What the two vLLM engines share, the embedded one (:mod:`workers.engines.vllm`) and a
-server driven over HTTP (:mod:`workers.engines.vllm_http`): the counters vLLM reports, the
-prompt check, a request's progress item and the queue of token events a step drains; and
-the embedded engine's state before its first snapshot, laid over arrival order."""
+server driven over HTTP (:mod:`workers.engines.vllm_http`): the counters vLLM reports, what
+its LoRA stats say of the adapters, the prompt check, a request's progress item and the queue
+of token events a step drains; and the embedded engine's state before its first snapshot,
+laid over arrival order."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from blockq.wire.beats import RequestProgress
@@ -33,6 +34,47 @@ class EngineCounters:
                 "num_preemptions_total": self.num_preemptions_total,
                 "prefix_cache_queries_total": self.prefix_cache_queries_total,
                 "prefix_cache_hits_total": self.prefix_cache_hits_total}
+
+
+@dataclass
+class AdapterActivity:
+    """With LoRA, what vLLM's stats say of the adapters: those of the running and waiting
+    requests (its scheduler stats' ``running_lora_adapters`` / ``waiting_lora_adapters``, which
+    its ``/metrics`` gauge ``vllm:lora_requests_info`` carries too) and those resident as far as
+    they tell: the adapters seen running, least recently first, at most ``max_loras`` (vLLM's
+    LRU of GPU slots, ``max_cpu_loras`` = ``max_loras``)."""
+
+    max_loras: int
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    loaded: list[str] = field(default_factory=list)
+
+    def record(self, running: Iterable[str], waiting: Iterable[str]) -> None:
+        """The adapters of the requests running and waiting now (names; repeats are one)."""
+        self.running = tuple(sorted(set(running)))
+        self.waiting = tuple(sorted(set(waiting)))
+        self.mark_used(self.running)
+
+    def mark_used(self, names: Iterable[str]) -> None:
+        """``names`` ran just now: they are resident, the most recently used."""
+        for name in names:
+            if name in self.loaded:
+                self.loaded.remove(name)
+            self.loaded.append(name)
+        del self.loaded[:-max(1, self.max_loras)]
+
+    def engine_stats(self) -> dict[str, Any]:
+        """The adapters running and waiting, as beats carry them in the engine stats."""
+        return {"running_lora_adapters": list(self.running), "waiting_lora_adapters": list(self.waiting)}
+
+    def engine_config(self, config: dict[str, Any], adapter_names: Sequence[str]) -> dict[str, Any]:
+        """``config`` with the adapters served, ``max_loras`` and those resident
+        (:mod:`blockq.wire.served_models`); ``config`` itself while it says so already, so that
+        the dispatcher re-reads it only when they change."""
+        lists = {"lora_adapters": list(adapter_names), "max_loras": self.max_loras, "loaded_loras": list(self.loaded)}
+        if all(config.get(name) == value for name, value in lists.items()):
+            return config
+        return {**config, **lists}
 
 
 def prompt_refusal(spec: EngineRequestSpec, max_model_len: int) -> str | None:

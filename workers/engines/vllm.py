@@ -50,9 +50,10 @@ from typing import Any
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.text.model_tokenizer import served_tokenizer_id
 from blockq.wire.beats import RequestProgress
-from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent, model_refusal
 from workers.engines.kv_events import KvEventFeed, kv_events_config
 from workers.engines.streamed import (
+    AdapterActivity,
     drain_events,
     laid_over_arrival_order,
     progress_item,
@@ -147,11 +148,10 @@ class VllmEngine:
                  profile_latency_model: StepLatencyModel | None = None) -> None:
         self.options = options
         self.model = options.served_model_name or f"vllm:{options.model}"
-        self.stats = VllmStats(max_loras=options.max_loras if options.lora_modules else 0)
+        self.stats = VllmStats(adapters=AdapterActivity(options.max_loras) if options.lora_modules else None)
         # Adapter name -> (vLLM's int id, path); LoRARequest objects made when first asked for.
         self._adapters = {name: (index, path) for index, (name, path) in enumerate(options.lora_modules, start=1)}
         self._lora_requests: dict[str, Any] = {}
-        self._published_loaded: tuple[str, ...] = ()
         self.state = SnapshotReader()
         self._state_socket: Any = None  # None: a stand-in engine, no snapshots
         self._kv_feed: KvEventFeed | None = None  # likewise, no KV events
@@ -171,11 +171,8 @@ class VllmEngine:
     def engine_config(self) -> dict[str, Any]:
         """vLLM's engine config, with LoRA its adapters and those resident (a new dict only
         when they change, so that the dispatcher re-reads it only then)."""
-        if self._adapters and ("lora_adapters" not in self._config
-                               or self._published_loaded != tuple(self.stats.loaded_loras)):
-            self._published_loaded = tuple(self.stats.loaded_loras)
-            self._config = {**self._config, "lora_adapters": list(self._adapters), "max_loras": self.options.max_loras,
-                            "loaded_loras": list(self._published_loaded)}
+        if self.stats.adapters is not None:
+            self._config = self.stats.adapters.engine_config(self._config, list(self._adapters))
         return self._config
 
     def latency_model(self) -> dict[str, Any] | None:
@@ -199,9 +196,7 @@ class VllmEngine:
         return snapshot.at_s - self._origin_s
 
     def validate(self, spec: EngineRequestSpec) -> str | None:
-        if spec.model is not None and spec.model != self.model and spec.model not in self._adapters:
-            return f"model: {spec.model!r} is not served here (base model {self.model!r})"
-        return prompt_refusal(spec, self._config["max_model_len"])
+        return model_refusal(spec, self.model, self._adapters) or prompt_refusal(spec, self._config["max_model_len"])
 
     def add_request(self, spec: EngineRequestSpec) -> None:
         tracked = _Tracked(spec)

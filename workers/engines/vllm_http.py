@@ -9,6 +9,20 @@ one instead of replacing it with an embedded engine (``blockq worker --engine vl
   ``block_size``, ``enable_prefix_caching``); the scheduler's limits are not published,
   so ``max_num_seqs`` and ``max_num_batched_tokens`` are the worker's options, set to the
   server's own;
+- **LoRA adapters** (``vllm serve --enable-lora --lora-modules name=path``): ``/v1/models``
+  lists each as its own entry whose ``parent`` is the base model; they are the engine config's
+  ``lora_adapters``, and a request naming one is sent with it as the completion's ``model``.
+  ``max_loras`` comes from ``/metrics``' ``vllm:lora_requests_info`` gauge (label ``max_lora``;
+  vLLM keeps one series per label set ever seen, the newest holding the time it was set), which
+  vLLM sets only once it has stepped: until then it is the worker's option. The adapters in use:
+  the gauge's ``running_lora_adapters`` / ``waiting_lora_adapters`` labels, with this worker's
+  own requests, those streaming as running and those not started as waiting. (vLLM 0.32 names
+  in both labels every adapter with a request it has scheduled and not finished, whatever its
+  state, and a request only once it has been scheduled: the labels hold no counts, so the split
+  is not theirs, and a request skipped by the ``max_loras`` rule shows only as this worker's.)
+  Resident adapters (``loaded_loras``) are as the embedded engine tells them
+  (:class:`workers.engines.streamed.AdapterActivity`): those seen running. Adapters loaded into
+  the server after the worker started (``/v1/load_lora_adapter``) are not seen;
 - **tokens**: each request is one streamed ``/v1/completions`` call (text or token ids,
   vLLM's ``ignore_eos`` / ``min_tokens`` extensions, ``continuous_usage_stats`` so every
   chunk says how many tokens have come);
@@ -49,9 +63,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.text.model_tokenizer import served_tokenizer_id
 from blockq.wire.beats import RequestProgress
-from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent
+from workers.engines.base import EngineRequestSpec, EngineStepOutput, TokenEvent, model_refusal
 from workers.engines.kv_events import KvEventFeed
 from workers.engines.streamed import (
+    AdapterActivity,
     EngineCounters,
     drain_events,
     progress_item,
@@ -68,19 +83,27 @@ class ServerUnavailable(RuntimeError):
 
 @dataclass
 class ServerMetrics(EngineCounters):
-    """What the server's ``/metrics`` said last (sums over its engines)."""
+    """What the server's ``/metrics`` said last (sums over its engines); with LoRA, its
+    newest ``vllm:lora_requests_info`` (``max_loras`` 0: the server has not set it)."""
 
     cache_config: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> ServerMetrics:
         """vLLM's Prometheus text (``vllm:`` names; counters end ``_total``)."""
         values: dict[str, float] = {}
         cache_config: dict[str, str] = {}
+        lora_info: dict[str, str] = {}
+        lora_info_set_at = float("-inf")
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "vllm:cache_config_info":
                     cache_config = dict(sample.labels)
+                elif sample.name == "vllm:lora_requests_info" and sample.value > lora_info_set_at:
+                    lora_info, lora_info_set_at = dict(sample.labels), float(sample.value)  # its value: when set
                 values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
         return cls(num_running=int(values.get("vllm:num_requests_running", 0)),
                    num_waiting=int(values.get("vllm:num_requests_waiting", 0)),
@@ -88,14 +111,33 @@ class ServerMetrics(EngineCounters):
                    num_preemptions_total=int(values.get("vllm:num_preemptions_total", 0)),
                    prefix_cache_queries_total=int(values.get("vllm:prefix_cache_queries_total", 0)),
                    prefix_cache_hits_total=int(values.get("vllm:prefix_cache_hits_total", 0)),
-                   cache_config=cache_config)
+                   cache_config=cache_config, max_loras=int(lora_info.get("max_lora") or 0),
+                   running_lora_adapters=_names(lora_info.get("running_lora_adapters")),
+                   waiting_lora_adapters=_names(lora_info.get("waiting_lora_adapters")))
+
+
+def _names(joined: str | None) -> tuple[str, ...]:
+    """The adapter names of a ``vllm:lora_requests_info`` label (comma-joined)."""
+    return tuple(name for name in (joined or "").split(",") if name)
+
+
+def served_models(cards: list[dict[str, Any]]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The base model's entry of a server's ``/v1/models`` and the names of its LoRA adapters:
+    the other entries whose ``parent`` (or, where there is none, ``root``) names the base
+    model, in the server's order."""
+    base = next((card for card in cards if not card.get("parent")), cards[0])
+    base_names = {base["id"], base.get("root")}
+    adapters = tuple(str(card["id"]) for card in cards if card is not base
+                     and (card.get("parent") or card.get("root")) in base_names)
+    return base, adapters
 
 
 @dataclass(frozen=True)
 class VllmHttpOptions:
     """The server's URL (``http://host:port``, no ``/v1``); its scheduler's limits, which it
     does not publish; an API key when the server wants one (``vllm serve --api-key``); where
-    it publishes KV events and the served model's directory (its tokenizer)."""
+    it publishes KV events and the served model's directory (its tokenizer); with LoRA, its
+    ``max_loras`` until the server's ``/metrics`` says (vLLM's default is 1)."""
 
     url: str
     max_num_seqs: int = 256
@@ -103,11 +145,12 @@ class VllmHttpOptions:
     api_key: str | None = None
     kv_events_url: str | None = None
     model_dir: str | None = None
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: must be http(s)://host:port (got {self.url!r})")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
 
@@ -140,15 +183,17 @@ class VllmHttpEngine:
         models = json.loads(_get(f"{base}/v1/models", options.api_key))["data"]
         if not models:
             raise ServerUnavailable(f"vllm-http: {base}/v1/models lists no model")
-        self.served_model = str(models[0]["id"])
-        self.model = f"vllm:{models[0].get('root') or self.served_model}"
+        base_model, self.lora_adapters = served_models(models)
+        self.served_model = str(base_model["id"])
+        self.model = f"vllm:{base_model.get('root') or self.served_model}"
+        self.adapters = AdapterActivity(options.max_loras) if self.lora_adapters else None
         self.metrics = ServerMetrics.parse(_get(f"{base}/metrics", options.api_key))
         cache = self.metrics.cache_config
         self._config = {
             "num_gpu_blocks": int(float(cache.get("num_gpu_blocks") or 0)),
             "block_size": int(float(cache.get("block_size") or 16)),
             "max_num_seqs": options.max_num_seqs, "max_num_batched_tokens": options.max_num_batched_tokens,
-            "max_model_len": int(models[0].get("max_model_len") or 4096), "watermark": 0.0,
+            "max_model_len": int(base_model.get("max_model_len") or 4096), "watermark": 0.0,
             "enable_prefix_caching": cache.get("enable_prefix_caching") == "True",
             # Without the server's KV events this worker cannot say what the server caches.
             "prefix_tokenizer": served_tokenizer_id(options.model_dir if options.kv_events_url else None)}
@@ -163,17 +208,25 @@ class VllmHttpEngine:
         self._origin_s = time.monotonic()
         self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._record_adapters()
 
     # --- what the beats carry -------------------------------------------------------------
 
     def engine_config(self) -> dict[str, Any]:
+        """The server's config, with LoRA its adapters and those resident (a new dict only when
+        they change, so that the dispatcher re-reads it only then)."""
+        if self.adapters is not None:
+            self._config = self.adapters.engine_config(self._config, self.lora_adapters)
         return self._config
 
     def latency_model(self) -> dict[str, Any] | None:
         return self._latency_model
 
     def engine_stats(self) -> dict[str, Any]:
-        return self.metrics.engine_stats()
+        stats = self.metrics.engine_stats()
+        if self.adapters is not None:
+            stats.update(self.adapters.engine_stats())
+        return stats
 
     def model_time_s(self) -> float:
         return time.monotonic() - self._origin_s
@@ -198,7 +251,8 @@ class VllmHttpEngine:
     # --- requests ---------------------------------------------------------------------------
 
     def validate(self, spec: EngineRequestSpec) -> str | None:
-        return prompt_refusal(spec, self._config["max_model_len"])
+        refusal = model_refusal(spec, self.model, self.lora_adapters)
+        return refusal or prompt_refusal(spec, self._config["max_model_len"])
 
     def add_request(self, spec: EngineRequestSpec) -> None:
         tracked = _Tracked(spec)
@@ -255,14 +309,32 @@ class VllmHttpEngine:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                 async with self._session.get(f"{self._base}/metrics") as response:
                     self.metrics = ServerMetrics.parse(await response.text())
+                    self._record_adapters()
             await asyncio.sleep(METRICS_PERIOD_S)
+
+    def _record_adapters(self) -> None:
+        """The server's ``max_loras`` once it says, and the adapters running and waiting: the
+        server's, with those of this worker's own requests, streaming or not yet (the server's
+        gauge is as of its last step and names no request it has not scheduled)."""
+        if self.adapters is None:
+            return
+        if self.metrics.max_loras:
+            self.adapters.max_loras = self.metrics.max_loras
+        own_running, own_waiting = [], []
+        for tracked in self._tracked.values():
+            if tracked.spec.model in self.lora_adapters:
+                (own_running if tracked.num_tokens_seen else own_waiting).append(tracked.spec.model)
+        self.adapters.record((*self.metrics.running_lora_adapters, *own_running),
+                             (*self.metrics.waiting_lora_adapters, *own_waiting))
 
     def _body(self, spec: EngineRequestSpec) -> dict[str, Any]:
         max_tokens = spec.max_tokens
         if spec.true_output_tokens is not None:  # a trace replay: the trace's length
             max_tokens = min(max_tokens, spec.true_output_tokens)
         prompt: Any = spec.prompt if isinstance(spec.prompt, str) else list(spec.prompt)
-        return {"model": self.served_model, "prompt": prompt, "max_tokens": max_tokens,
+        # The base model by the server's name, or an adapter by its own (validate refused others).
+        model = spec.model if spec.model in self.lora_adapters else self.served_model
+        return {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": spec.temperature, "top_p": spec.top_p, "stop": list(spec.stop) or None,
                 "ignore_eos": spec.ignore_eos, "min_tokens": min(spec.min_tokens, max_tokens), "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -299,6 +371,8 @@ class VllmHttpEngine:
         if num_new == 0 and not finished:
             return
         is_first = tracked.num_tokens_seen == 0 and num_new > 0
+        if is_first and self.adapters is not None and tracked.spec.model in self.lora_adapters:
+            self.adapters.mark_used((tracked.spec.model,))  # it runs: its adapter is resident
         tracked.num_tokens_seen = num_tokens
         if finished:
             self._tracked.pop(tracked.spec.request_id, None)

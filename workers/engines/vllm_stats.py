@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engines.streamed import EngineCounters
+from workers.engines.streamed import AdapterActivity, EngineCounters
 
 MAX_PENDING_SAMPLES = 256
 
@@ -19,21 +19,17 @@ class VllmStats(EngineCounters):
 
     samples: deque[tuple[int, int, int, float, int]] = field(
         default_factory=lambda: deque(maxlen=MAX_PENDING_SAMPLES))
-    # With LoRA (max_loras > 0): the adapters of the running and waiting requests, as vLLM's
-    # scheduler stats name them, and those resident as far as they tell: the adapters seen
-    # running, least recently first, at most max_loras (vLLM's LRU of GPU slots).
-    max_loras: int = 0
-    running_lora_adapters: tuple[str, ...] = ()
-    waiting_lora_adapters: tuple[str, ...] = ()
-    loaded_loras: list[str] = field(default_factory=list)
+    # With LoRA: the adapters running, waiting and resident (None: no LoRA).
+    adapters: AdapterActivity | None = None
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, kv_capacity_tokens: int) -> None:
         if iteration_stats is not None:
             self.num_preemptions_total += int(iteration_stats.num_preempted_reqs)
         if scheduler_stats is None:
             return
-        if self.max_loras:
-            self._record_adapters(scheduler_stats)
+        if self.adapters is not None:
+            self.adapters.record(_with_requests(getattr(scheduler_stats, "running_lora_adapters", None)),
+                                 _with_requests(getattr(scheduler_stats, "waiting_lora_adapters", None)))
         self.num_running = int(scheduler_stats.num_running_reqs)
         self.num_waiting = int(scheduler_stats.num_waiting_reqs) + int(scheduler_stats.num_skipped_waiting_reqs)
         self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
@@ -51,18 +47,15 @@ class VllmStats(EngineCounters):
                                  round(self.kv_cache_usage * kv_capacity_tokens), details.elapsed_ms / 1000,
                                  num_prefill_tokens * (num_prefill_tokens + 1) // 2))
 
-    def _record_adapters(self, scheduler_stats: Any) -> None:
-        self.running_lora_adapters = tuple(sorted(getattr(scheduler_stats, "running_lora_adapters", None) or ()))
-        self.waiting_lora_adapters = tuple(sorted(getattr(scheduler_stats, "waiting_lora_adapters", None) or ()))
-        for name in self.running_lora_adapters:
-            if name in self.loaded_loras:
-                self.loaded_loras.remove(name)
-            self.loaded_loras.append(name)
-        del self.loaded_loras[:-self.max_loras]
-
     def engine_stats(self) -> dict[str, Any]:
         stats = super().engine_stats()
-        if self.max_loras:
-            stats.update(running_lora_adapters=list(self.running_lora_adapters),
-                         waiting_lora_adapters=list(self.waiting_lora_adapters))
+        if self.adapters is not None:
+            stats.update(self.adapters.engine_stats())
         return stats
+
+
+def _with_requests(adapter_to_num_requests: dict[str, int] | None) -> list[str]:
+    """The adapters with requests in one of vLLM's LoRA stats (its dicts name every adapter
+    with a request it has scheduled and not finished, in both, with a count of 0 where none
+    is in that state: ``vllm/v1/metrics/stats.py``, ``LoRARequestStates``)."""
+    return [name for name, num_requests in (adapter_to_num_requests or {}).items() if num_requests]
