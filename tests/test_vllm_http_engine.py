@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from blockq.local.embedded_redis import free_port
+from blockq.local.state import ClusterState
 from tests.conftest import import_or_skip, run_blockq, write_tiny_model
-from tests.vllm_helpers import vllm_serve
+from tests.vllm_helpers import check_base_model_served, vllm_serve
 from workers.engines.base import EngineRequestSpec
 from workers.engines.vllm_http import ServerMetrics, VllmHttpEngine, VllmHttpOptions, served_models
 
@@ -134,10 +137,13 @@ def test_the_engine_publishes_the_servers_adapters_and_names_them_in_completions
         engine = VllmHttpEngine(VllmHttpOptions(url, max_loras=4))
         config = engine.engine_config()
         assert (config["lora_adapters"], config["max_loras"], config["loaded_loras"]) == (["sql", "poems"], 4, [])
-        assert engine.model == "vllm:/m/tiny" and engine.engine_config() is config  # unchanged: the same dict
-        assert "gpt-9" in (engine.validate(replace(_spec("x", 1), model="gpt-9")) or "")
+        assert engine.engine_config() is config  # unchanged: the same dict
+        # the base model by the server's name for it (its id), not its path (root)
+        assert engine.model == "tiny" and engine.validate(replace(_spec("x", 1), model="tiny")) is None
+        for model in ("gpt-9", "/m/tiny", "vllm:/m/tiny"):
+            assert model in (engine.validate(replace(_spec("x", 1), model=model)) or "")
         assert engine.validate(replace(_spec("x", 1), model="sql")) is None
-        events = asyncio.run(run(engine, ["sql", "vllm:/m/tiny", None, "poems"]))
+        events = asyncio.run(run(engine, ["sql", "tiny", None, "poems"]))
         assert all(e.finished and e.finish_reason == "length" for e in events) and len(events) == 4
         assert sorted(body["model"] for body in bodies) == ["poems", "sql", "tiny", "tiny"]
         assert engine.engine_config()["loaded_loras"] in (["sql", "poems"], ["poems", "sql"])  # seen streaming
@@ -216,7 +222,7 @@ def test_the_engine_streams_from_a_running_server(vllm_server: str) -> None:
     events, seen_running, stats, engine = asyncio.run(run())
     config = engine.engine_config()
     assert config["block_size"] == 32 and config["num_gpu_blocks"] > 0 and config["max_model_len"] == 1024
-    assert engine.served_model == "tiny"
+    assert engine.model == "tiny"  # vllm_serve's --served-model-name, not the model's path
     for index in range(6):
         mine = [e for e in events if e.request_id == f"r{index}"]
         assert sum(e.num_new_tokens for e in mine) == 300 and mine[-1].finished, mine[-3:]
@@ -230,14 +236,22 @@ def test_the_engine_streams_from_a_running_server(vllm_server: str) -> None:
 @pytest.mark.timeout(600)
 def test_up_with_vllm_http_serves_through_the_pipeline(vllm_server: str, tmp_path: Path) -> None:
     env = {"BLOCKQ_STATE_DIR": str(tmp_path / "state"), "BLOCKQ_REDIS_URL": ""}
-    up = run_blockq("up", "--engine", "vllm-http", "--url", vllm_server, "--policy", "block",
-                    "--max-num-seqs", "8", "--metrics-base-port", "0", "--detach", "--json", env=env, timeout_s=300)
+    up = run_blockq("up", "--engine", "vllm-http", "--url", vllm_server, "--policy", "block", "--max-num-seqs", "8",
+                    "--gateway", "--gateway-port", str(free_port()), "--metrics-base-port", "0", "--detach", "--json",
+                    env=env, timeout_s=300)
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         submit = run_blockq("submit", "hello there", "--max-tokens", "8", "--json", env=env, timeout_s=60)
         assert submit.returncode == 0, submit.stderr[-3000:]
         record = json.loads(submit.stdout)
         assert record["status"] == "ok" and 1 <= record["output_tokens"] <= 8 and record["instance"] == "inst-0"
+        state = ClusterState.read(tmp_path / "state")
+        assert state is not None
+        # the server's name for its model (vllm_serve's --served-model-name), not its path
+        with urllib.request.urlopen(f"{vllm_server}/v1/models", timeout=30) as response:
+            path = json.loads(response.read())["data"][0]["root"]
+        assert state.gateway_url is not None
+        check_base_model_served(state.redis_url, state.gateway_url, "tiny", unserved=(path, f"vllm:{path}"))
     finally:
         down = run_blockq("down", env=env, timeout_s=120)
         assert down.returncode == 0, down.stderr

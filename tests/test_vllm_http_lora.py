@@ -68,7 +68,7 @@ def test_the_engine_sends_and_publishes_the_servers_adapters(lora_server: str) -
 
     # the worker's max_loras (4) is what it publishes until the server's /metrics say (1)
     engine = VllmHttpEngine(VllmHttpOptions(lora_server, max_num_seqs=8, max_loras=4))
-    assert engine.lora_adapters == ADAPTERS and engine.served_model == "tiny"
+    assert engine.lora_adapters == ADAPTERS and engine.model == "tiny"
     assert engine.engine_config()["lora_adapters"] == list(ADAPTERS)
     assert "gpt-9" in (engine.validate(_spec("x", "gpt-9")) or "")
     assert engine.validate(replace(_spec("x", None), model=engine.model)) is None

@@ -120,3 +120,25 @@ def check_adapters_served(redis_url: str, adapters: Sequence[str], max_loras: in
     # The adapters ran: vLLM's stats named them running, and those resident (at most max_loras) are published.
     loaded = wait_until(lambda: only_beat(redis_url).engine_config.get("loaded_loras"), timeout_s=10)
     assert 1 <= len(loaded) <= max_loras and set(loaded) <= set(adapters)
+
+
+def check_base_model_served(redis_url: str, gateway_url: str, name: str, unserved: Sequence[str]) -> None:
+    """A one-instance cluster publishes its base model as ``name`` (the server's name for it):
+    the gateway's ``/v1/models`` lists it and answers a completion naming it; through the
+    client a request naming it is answered ``ok``, each naming one of ``unserved`` ``error``
+    (``model_not_served``)."""
+    assert only_beat(redis_url).model == name
+    with urllib.request.urlopen(f"{gateway_url}/v1/models", timeout=30) as response:
+        assert name in [card["id"] for card in json.loads(response.read())["data"]]
+    body = json.dumps({"model": name, "prompt": "hello there", "max_tokens": 4}).encode()
+    request = urllib.request.Request(f"{gateway_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        completion = json.loads(response.read())
+    assert completion["model"] == name and completion["usage"]["completion_tokens"] >= 1, completion
+    models = [name, *unserved]
+    with Client(settings=Settings(redis_url=redis_url)) as client:
+        finals = [client.submit("hello again", max_tokens=4, model=model).result(timeout_s=120) for model in models]
+    assert finals[0].status == "ok" and finals[0].output_tokens >= 1, finals[0]
+    for model, final in zip(unserved, finals[1:], strict=True):
+        assert final.status == "error" and "model_not_served" in (final.error or ""), (model, final)

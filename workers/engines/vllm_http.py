@@ -4,8 +4,10 @@ Most fleets run vLLM's OpenAI server in pods; this engine lets a blockq worker s
 one instead of replacing it with an embedded engine (``blockq worker --engine vllm-http
 --url URL``). What it can see, and from where:
 
-- **engine config**: the server's ``/v1/models`` (the served model's id and
-  ``max_model_len``) and its ``/metrics`` ``vllm:cache_config_info`` (``num_gpu_blocks``,
+- **model**: the name the server serves its base model under, ``/v1/models``' ``id``
+  (``vllm serve --served-model-name NAME``; without it vLLM serves the model path as given):
+  the name the server's own OpenAI clients send, so the beats publish it and requests name it;
+- **engine config**: the server's ``/v1/models`` (``max_model_len``) and its ``/metrics`` ``vllm:cache_config_info`` (``num_gpu_blocks``,
   ``block_size``, ``enable_prefix_caching``); the scheduler's limits are not published,
   so ``max_num_seqs`` and ``max_num_batched_tokens`` are the worker's options, set to the
   server's own;
@@ -184,8 +186,7 @@ class VllmHttpEngine:
         if not models:
             raise ServerUnavailable(f"vllm-http: {base}/v1/models lists no model")
         base_model, self.lora_adapters = served_models(models)
-        self.served_model = str(base_model["id"])
-        self.model = f"vllm:{base_model.get('root') or self.served_model}"
+        self.model = str(base_model["id"])  # the server's name for it, not its path (docs/engines.md)
         self.adapters = AdapterActivity(options.max_loras) if self.lora_adapters else None
         self.metrics = ServerMetrics.parse(_get(f"{base}/metrics", options.api_key))
         cache = self.metrics.cache_config
@@ -333,7 +334,7 @@ class VllmHttpEngine:
             max_tokens = min(max_tokens, spec.true_output_tokens)
         prompt: Any = spec.prompt if isinstance(spec.prompt, str) else list(spec.prompt)
         # The base model by the server's name, or an adapter by its own (validate refused others).
-        model = spec.model if spec.model in self.lora_adapters else self.served_model
+        model = spec.model if spec.model in self.lora_adapters else self.model
         return {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": spec.temperature, "top_p": spec.top_p, "stop": list(spec.stop) or None,
                 "ignore_eos": spec.ignore_eos, "min_tokens": min(spec.min_tokens, max_tokens), "stream": True,
