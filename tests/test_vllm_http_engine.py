@@ -78,6 +78,9 @@ def test_served_models_are_the_base_and_its_adapters() -> None:
     assert served_models(MODEL_CARDS[:1]) == (MODEL_CARDS[0], ())
     # an adapter entry naming its base model in root rather than parent
     assert served_models([{"id": "tiny", "root": "tiny"}, {"id": "sql", "root": "tiny"}])[1] == ("sql",)
+    # `--served-model-name tiny small`: a second name of the base model, not an adapter
+    alias = {"id": "small", "root": "/m/tiny", "parent": None, "max_model_len": 1024}
+    assert served_models([MODEL_CARDS[0], alias, *MODEL_CARDS[1:]]) == (MODEL_CARDS[0], ("sql", "poems"))
 
 
 @contextlib.contextmanager

@@ -124,13 +124,15 @@ def _names(joined: str | None) -> tuple[str, ...]:
 
 
 def served_models(cards: list[dict[str, Any]]) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The base model's entry of a server's ``/v1/models`` and the names of its LoRA adapters:
-    the other entries whose ``parent`` (or, where there is none, ``root``) names the base
-    model, in the server's order."""
+    """The base model's entry of a server's ``/v1/models`` (its first without a ``parent``)
+    and the names of its LoRA adapters: the other entries whose ``parent`` (or, where an entry
+    has no such field, ``root``) names the base model, in the server's order. Another entry
+    whose ``parent`` is null is another name of the base model (``vllm serve
+    --served-model-name A B``), not an adapter."""
     base = next((card for card in cards if not card.get("parent")), cards[0])
-    base_names = {base["id"], base.get("root")}
+    base_names = {base["id"], base.get("root")} - {None}
     adapters = tuple(str(card["id"]) for card in cards if card is not base
-                     and (card.get("parent") or card.get("root")) in base_names)
+                     and card.get("parent", card.get("root")) in base_names)
     return base, adapters
 
 
