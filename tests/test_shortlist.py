@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from blockq.wire.beats import RequestProgress
-from dispatcher.cluster_view import EXPLORE_STALE_S, ClusterView
+from dispatcher.cluster_view import AS_IS_S, ClusterView
 from dispatcher.core import DispatcherCore, Placed
 from dispatcher.policies import make_policy
 from dispatcher.policies.predictive import lane_ids
@@ -118,7 +118,7 @@ def test_a_negative_shortlist_is_refused() -> None:
         DispatcherCore("block", num_simulated_candidates=-1)
 
 
-def test_an_explored_replica_is_advanced_until_it_is_too_old_then_rebuilt() -> None:
+def test_a_replica_ranked_as_it_is_is_advanced_until_it_is_too_old_then_rebuilt() -> None:
     view = ClusterView(keep_replicas=True)
     (beat,) = fleet(1)
     view.apply_heartbeat(beat, NOW_S)
@@ -128,19 +128,19 @@ def test_an_explored_replica_is_advanced_until_it_is_too_old_then_rebuilt() -> N
     newer = loaded_beat(candidate.instance_id, random.Random(5), num_waiting=3)
     view.apply_heartbeat(replace(newer, seq=2, sent_at_s=NOW_S + 0.1), NOW_S + 0.1)
     assert not view.is_current(candidate)
-    # A look to explore: advanced along its own trajectory, not rebuilt from the newer beat.
-    replica = view.replica(candidate, NOW_S + 0.5, keep_current=False, explore=True)
+    # A look to rank by: advanced along its own trajectory, not rebuilt from the newer beat.
+    replica = view.replica(candidate, NOW_S + 0.5, keep_current=False, as_is=True)
     assert view.num_replica_rebuilds == 1 and not view.is_current(candidate)
     assert replica.now_s == pytest.approx(NOW_S + 0.5)
-    # Asked to place by, or built too long ago to explore on: rebuilt.
-    view.replica(candidate, NOW_S + 0.5 + EXPLORE_STALE_S, keep_current=False, explore=True)
+    # Built too long ago to rank by as it is (or asked for without as_is): rebuilt.
+    view.replica(candidate, NOW_S + 0.5 + AS_IS_S, keep_current=False, as_is=True)
     assert view.num_replica_rebuilds == 2 and view.is_current(candidate)
 
 
 def test_a_decision_places_by_a_replica_rebuilt_from_the_latest_beat() -> None:
     # 41 instances, a shortlist of 4: after every instance beats again, each replica is
-    # older than its beat; whatever was explored on a stale one, the instance taken is
-    # simulated on its rebuilt replica, and its forecast is the one placed with.
+    # older than its beat; the candidates are ranked on them as they are, but the instance
+    # taken is simulated on its rebuilt replica, and its forecast is the one placed with.
     beats = fleet(41, seed=4)
     core = DispatcherCore("block", seed=7, num_simulated_candidates=4)
     for beat in beats:

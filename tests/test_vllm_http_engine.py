@@ -199,13 +199,18 @@ def _spec(request_id: str, num_tokens: int) -> EngineRequestSpec:
                              max_tokens=num_tokens, ignore_eos=True, predicted_output_tokens=num_tokens)
 
 
+# Long enough that the six run together across several of the server's metrics updates
+# (at 300 tokens, on a loaded machine, one read in several saw a single request running).
+ANSWER_TOKENS = 600
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_the_engine_streams_from_a_running_server(vllm_server: str) -> None:
     async def run() -> tuple[list, list, dict, VllmHttpEngine]:
         engine = VllmHttpEngine(VllmHttpOptions(vllm_server, max_num_seqs=8))
         for index in range(6):
-            engine.add_request(_spec(f"r{index}", 300))
+            engine.add_request(_spec(f"r{index}", ANSWER_TOKENS))
         engine.add_request(_spec("gone", 900))
         events, seen_running = [], []
         while engine.has_unfinished_requests():
@@ -228,7 +233,7 @@ def test_the_engine_streams_from_a_running_server(vllm_server: str) -> None:
     assert engine.model == "tiny"  # vllm_serve's --served-model-name, not the model's path
     for index in range(6):
         mine = [e for e in events if e.request_id == f"r{index}"]
-        assert sum(e.num_new_tokens for e in mine) == 300 and mine[-1].finished, mine[-3:]
+        assert sum(e.num_new_tokens for e in mine) == ANSWER_TOKENS and mine[-1].finished, mine[-3:]
         assert mine[0].is_first and mine[-1].finish_reason == "length"
     assert not any(e.finished for e in events if e.request_id == "gone")  # aborted: no answer from the engine
     assert max(seen_running) >= 2  # the server's own counts, read from /metrics (every 0.25 s)

@@ -47,7 +47,7 @@ class _Ranked:
     replica: InstanceReplica
     size: tuple[int, int]
     forecast: Forecast | None
-    stale: bool = False  # simulated on a replica not rebuilt from its latest beat (explored)
+    stale: bool = False  # simulated on a replica not rebuilt from its latest beat (ranked as it is)
 
 
 class Block:
@@ -97,17 +97,19 @@ class Block:
               bus_now_s: float | None = None) -> Decision:
         lanes = self._lane_ids(candidates)
         sizes: dict[int, tuple[int, int]] = {}
-        shortlist = self.shortlist.select(candidates, lanes, now_s)
-        explored = self.shortlist.explored  # of this shortlist
-        ranked = [self._simulated(request, candidate, now_s, sizes, explore=candidate.instance_id in explored)
-                  for candidate in shortlist]
+        # On a fleet the shortlist cuts, the candidates are ranked on their replicas as they
+        # are (ClusterView.replica's ``as_is``), and none is kept current beat by beat.
+        as_is = self.shortlist.cuts(len(candidates))
+        ranked = [self._simulated(request, candidate, now_s, sizes, as_is=as_is)
+                  for candidate in self.shortlist.select(candidates, lanes, now_s)]
         ranked = self._ordered(request, ranked, lanes, now_s, bus_now_s)
-        # What a decision places by is simulated on current replicas: an explored one
-        # that would be taken is simulated again, rebuilt from its latest beat, and the
-        # candidates ranked again (its first look was on a replica past its beat).
+        # What a decision places by is simulated on replicas rebuilt from their latest beat:
+        # one ranked on an older one that would be taken is simulated again, rebuilt, and
+        # the candidates ranked again.
         num_taken = max(1, self.kv_guard_candidates)
         while (stale := next((i for i, item in enumerate(ranked[:num_taken]) if item.stale), None)) is not None:
-            ranked[stale] = self._simulated(request, ranked[stale].candidate, now_s, sizes, explore=False)
+            ranked[stale] = self._simulated(request, ranked[stale].candidate, now_s, sizes, as_is=False,
+                                            keep_current=not as_is)
             ranked = self._ordered(request, ranked, lanes, now_s, bus_now_s)
         chosen = ranked[0]
         for item in ranked[:self.kv_guard_candidates]:
@@ -137,17 +139,17 @@ class Block:
         return ranked
 
     def _simulated(self, request: Request, candidate: InstanceView, now_s: float,
-                   sizes: dict[int, tuple[int, int]], *, explore: bool) -> _Ranked:
-        """``candidate`` simulated with the request (``explore``: a candidate the
-        shortlist only explores, simulated on its replica as it is when that is recent
-        enough, and not kept current beat by beat: :meth:`ClusterView.replica`).
-        ``sizes``: the request's size by ``max_model_len``, shared by the candidates of a
-        decision (the same on most fleets), unless a prefix cache makes each candidate's
-        prefill its own."""
+                   sizes: dict[int, tuple[int, int]], *, as_is: bool, keep_current: bool | None = None) -> _Ranked:
+        """``candidate`` simulated with the request (``as_is``: on its replica as it is,
+        when that was rebuilt recently enough; ``keep_current``, default ``not as_is``: its
+        next beats rebuild it: :meth:`ClusterView.replica`). ``sizes``: the request's size by
+        ``max_model_len``, shared by the candidates of a decision (the same on most fleets),
+        unless a prefix cache makes each candidate's prefill its own."""
         # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
         # one's run to the end (the replica's next baseline, the predicted E2E) follows.
         ttft_only = self.objective == "ttft" and not self.kv_guard_candidates
-        replica = self.view.replica(candidate, now_s, keep_current=not explore, explore=explore)
+        keep_current = not as_is if keep_current is None else keep_current
+        replica = self.view.replica(candidate, now_s, keep_current=keep_current, as_is=as_is)
         if replica.prefix_index is not None:
             size = replica.request_size(request)
         else:

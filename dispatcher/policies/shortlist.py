@@ -64,7 +64,6 @@ class Shortlist:
         self.size = size
         self.rng = rng
         self._jitter: np.random.Generator | None = None
-        self.explored: frozenset[str] = frozenset()  # the candidates the last cut explored
         self.start_at_s: dict[str, float] = {}
         self.learnt_at_s: dict[str, float] = {}
         # Arrays aligned with the candidate list last given (the live list, unchanged until
@@ -85,7 +84,6 @@ class Shortlist:
         """The candidates to simulate at ``now_s`` (every one when the shortlist does not
         cut), best believed first."""
         if not self.cuts(len(candidates)):
-            self.explored = frozenset()
             return list(candidates)
         self._align(candidates, lanes)
         if self._jitter is None:
@@ -97,7 +95,6 @@ class Shortlist:
         oldest = self._learnt + jitter
         num_explored = max(1, int(self.size * EXPLORE_SHARE))
         explored = _smallest(oldest, num_explored)
-        self.explored = frozenset(candidates[i].instance_id for i in explored)
         chosen = np.union1d(_smallest(best, self.size - num_explored), explored)
         if lanes:
             outside = np.flatnonzero(~self._in_lane)
