@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blockq.wire.served_models import adapter_names, loaded_adapter_names
-from dispatcher.cluster_view import InstanceView
+from dispatcher.instance_view import InstanceView
 
 # The ranking's stand-in for waiting for an adapter slot (s): about a typical request's
 # decode time on a loaded 7B instance (250 tokens at 25-40 ms a step is 6-10 s; a slot

@@ -23,7 +23,7 @@ from blockq.wire.health import HealthPolicy
 from blockq.wire.protocol import Assignment, Request
 from dispatcher.admission import Infeasible, judge
 from dispatcher.autoscale.futures import DRAINING, LIVE, STARTING, FleetSnapshot, InstanceState
-from dispatcher.cluster_view import InstanceView
+from dispatcher.instance_view import InstanceView
 from dispatcher.policies import Policy, make_policy, make_view
 from dispatcher.priority import eligible_candidates
 from dispatcher.what_if import DEFAULT_OBJECTIVE

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from blockq.wire.protocol import Request
-from dispatcher.cluster_view import InstanceView
+from dispatcher.instance_view import InstanceView
 
 # Share of KV blocks that must be free before batch work is added to an instance.
 BATCH_MIN_FREE_KV_FRACTION = 0.2

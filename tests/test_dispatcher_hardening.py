@@ -35,8 +35,8 @@ from blockq.wire.protocol import (
     encode,
 )
 from blockq.wire.streams import connect_async
-from dispatcher.cluster_view import InstanceView
 from dispatcher.core import DispatcherCore, Outcome, Placed
+from dispatcher.instance_view import InstanceView
 from dispatcher.lease import Pipeline
 from dispatcher.service import Dispatcher, DispatcherOptions, create_dispatcher
 from loadgen.benches.dispatch import heartbeat_of, loaded_scheduler

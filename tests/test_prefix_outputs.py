@@ -21,8 +21,8 @@ from blockq.text.block_hashes import (
 )
 from blockq.wire.beats import RequestProgress, decode_heartbeat
 from blockq.wire.protocol import ValidationError, encode
-from dispatcher.cluster_view import InstanceView
 from dispatcher.core import DispatcherCore
+from dispatcher.instance_view import InstanceView
 from dispatcher.replica import InstanceReplica
 from loadgen.simulation.prefix_report import ideal_prefix_hit_rate
 from tests.factories import make_heartbeat, make_request

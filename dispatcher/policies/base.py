@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from blockq.wire.protocol import Request
-from dispatcher.cluster_view import InstanceView
+from dispatcher.instance_view import InstanceView
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 
 

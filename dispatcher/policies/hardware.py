@@ -41,7 +41,8 @@ from typing import Any
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.wire.protocol import Request
-from dispatcher.cluster_view import ClusterView, InstanceView
+from dispatcher.cluster_view import ClusterView
+from dispatcher.instance_view import InstanceView
 from dispatcher.policies.base import Decision
 from dispatcher.policies.load import pick_highest
 

@@ -6,7 +6,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from blockq.wire.protocol import Request
-from dispatcher.cluster_view import InstanceView
+from dispatcher.instance_view import InstanceView
 from dispatcher.policies.base import Decision
 
 

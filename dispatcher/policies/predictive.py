@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from blockq.wire.protocol import Request
 from dispatcher.adapters import adapter_charge
 from dispatcher.admission import ttft_budget_s
-from dispatcher.cluster_view import ClusterView, InstanceView
+from dispatcher.cluster_view import ClusterView
+from dispatcher.instance_view import InstanceView
 from dispatcher.policies.base import Decision, PolicyOptions
 from dispatcher.policies.shortlist import Shortlist
 from dispatcher.replica import InstanceReplica

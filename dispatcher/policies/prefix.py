@@ -21,7 +21,7 @@ import random
 from collections.abc import Sequence
 
 from blockq.wire.protocol import Request
-from dispatcher.cluster_view import InstanceView
+from dispatcher.instance_view import InstanceView
 from dispatcher.policies.base import Decision
 from dispatcher.policies.load import pick_highest
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dispatcher.cluster_view import InstanceView
+from dispatcher.instance_view import InstanceView
 
 # What the dispatcher, the simulation and dispatch-bench use unless told. 16, not the 8
 # that was fastest at 1,024 instances (p99 2.17 against 2.26 ms, docs/results/decisions-at-scale.md):
