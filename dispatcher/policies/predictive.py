@@ -101,7 +101,7 @@ class Block:
         # On a fleet the shortlist cuts, the candidates are ranked on their replicas as they
         # are (ClusterView.replica's ``as_is``), and none is kept current beat by beat.
         as_is = self.shortlist.cuts(len(candidates))
-        ranked = [self._simulated(request, candidate, now_s, sizes, as_is=as_is)
+        ranked = [self._simulated(request, candidate, now_s, sizes, as_is=as_is, keep_current=not as_is)
                   for candidate in self.shortlist.select(candidates, lanes, now_s)]
         ranked = self._ordered(request, ranked, lanes, now_s, bus_now_s)
         # What a decision places by is simulated on replicas rebuilt from their latest beat:
@@ -122,7 +122,7 @@ class Block:
                 chosen = item
                 break
         chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size)
-        if self.shortlist.cuts(len(candidates)):
+        if as_is:  # the shortlist cut: it learns from what was simulated
             self._learn(ranked, now_s)
         # An adapter's load: the engine pays it (the slot wait only ranks).
         load_s = adapter_charge(chosen.candidate, request.model).load_s if request.model is not None else 0.0
@@ -140,16 +140,15 @@ class Block:
         return ranked
 
     def _simulated(self, request: Request, candidate: InstanceView, now_s: float,
-                   sizes: dict[int, tuple[int, int]], *, as_is: bool, keep_current: bool | None = None) -> _Ranked:
+                   sizes: dict[int, tuple[int, int]], *, as_is: bool, keep_current: bool) -> _Ranked:
         """``candidate`` simulated with the request (``as_is``: on its replica as it is,
-        when that was rebuilt recently enough; ``keep_current``, default ``not as_is``: its
-        next beats rebuild it: :meth:`ClusterView.replica`). ``sizes``: the request's size by
+        when that was rebuilt recently enough; ``keep_current``: its next beats rebuild it:
+        :meth:`ClusterView.replica`). ``sizes``: the request's size by
         ``max_model_len``, shared by the candidates of a decision (the same on most fleets),
         unless a prefix cache makes each candidate's prefill its own."""
         # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
         # one's run to the end (the replica's next baseline, the predicted E2E) follows.
         ttft_only = self.objective == "ttft" and not self.kv_guard_candidates
-        keep_current = not as_is if keep_current is None else keep_current
         replica = self.view.replica(candidate, now_s, keep_current=keep_current, as_is=as_is)
         if replica.prefix_index is not None:
             size = replica.request_size(request)
