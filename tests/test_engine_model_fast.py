@@ -198,17 +198,18 @@ def finish_times(requests: dict[str, EngineRequest], row_ids: list[str]) -> list
 
 
 def what_if_by_stepping(scheduler: EngineScheduler, row_ids: list[str], size: tuple[int, int],
-                        arrival_s: float, skip_steps: int = 0) -> tuple[WhatIf, list[float]]:
+                        arrival_s: float, skip_steps: int = 0, *, lora_id: int = 0) -> tuple[WhatIf, list[float]]:
     """The what-if run, stepped: the reference run to the end without and with a request of
     ``size`` appended at ``arrival_s``. Returns the outputs and the run without it (each
     row's finish: the baseline). Preemptions are those made after the first ``skip_steps``
-    steps (the run from a queue-drain snapshot ``skip_steps`` ahead); rows are ``row_ids``."""
+    steps (the run from a queue-drain snapshot ``skip_steps`` ahead); rows are ``row_ids``;
+    ``lora_id``: the request's adapter."""
     without = scheduler.clone()
     baseline = all_requests(without)
     step_reference(without)
     with_request = scheduler.clone()
     finishes = all_requests(with_request)
-    with_request.add_request(EngineRequest(WHAT_IF_ID, *size, arrival_s=arrival_s))
+    with_request.add_request(EngineRequest(WHAT_IF_ID, *size, arrival_s=arrival_s, lora_id=lora_id))
     finishes[WHAT_IF_ID] = with_request.waiting[-1]
     results = step_reference(with_request)
     baseline_s = finish_times(baseline, row_ids)
@@ -226,12 +227,12 @@ def what_if_by_stepping(scheduler: EngineScheduler, row_ids: list[str], size: tu
 
 
 def packed_what_if(start: PackedScheduler, size: tuple[int, int], arrival_s: float,
-                   baseline_s: list[float]) -> WhatIf:
+                   baseline_s: list[float], *, lora_id: int = 0) -> WhatIf:
     """:meth:`PackedScheduler.what_if` from ``start``, as a :class:`WhatIf`."""
     rows_before = start.clone()
-    *outputs, num_preempted, finished_s = start.what_if(*size, arrival_s, np.array(baseline_s))
+    *outputs, num_preempted, finished_s = start.what_if(*size, arrival_s, np.array(baseline_s), lora_id)
     # the run that stops at the first token gives the same TTFT
-    assert start.first_token_if(*size, arrival_s) == outputs[0]
+    assert start.first_token_if(*size, arrival_s, lora_id) == outputs[0]
     assert np.array_equal(start.times, rows_before.times, equal_nan=True)  # the state is not changed
     return WhatIf(*outputs, num_preempted, finished_s.tolist())
 

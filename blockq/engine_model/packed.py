@@ -5,7 +5,8 @@ from one (:meth:`PackedScheduler.from_scheduler`), it steps exactly as the refer
 (:mod:`.packed_kernel`; the tests compare both on random states), but a clone is four
 array copies and a simulation to the end of an A30-sized instance takes tens of
 microseconds instead of milliseconds. Requests are rows; a row is never reused, so a
-finished request's times stay readable. Prefix caching is not modelled.
+finished request's times stay readable. Prefix caching is not modelled; LoRA adapters are
+(each row's adapter id, the resident adapters and their loads: :mod:`.packed_lora`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from blockq.engine_model import packed_kernel as kernel
 from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
+from blockq.engine_model.packed_lora import num_lora_slots
 from blockq.engine_model.request import EngineRequest
 from blockq.engine_model.scheduler import EngineScheduler
 
@@ -39,7 +41,10 @@ class PackedScheduler:
                  "_linear_table_s")
 
     def __init__(self, config: EngineConfig, latency_model: StepLatencyModel, now_s: float = 0.0,
-                 capacity: int = 64) -> None:
+                 capacity: int = 64, loaded_loras: Sequence[int] = (), lora_slots: int = 0) -> None:
+        """``loaded_loras``: the adapters resident at the start, least recently used first
+        (ignored without LoRA); ``lora_slots``: room for more adapters than ``max_loras``
+        in the resident list, as a restored state may need (:func:`.packed_lora.num_lora_slots`)."""
         if config.enable_prefix_caching:
             raise ValueError("enable_prefix_caching: not supported by the packed scheduler")
         self.config = config
@@ -49,27 +54,33 @@ class PackedScheduler:
         self.times = np.full((capacity, layout.NUM_TIME_FIELDS), np.nan)
         self.running = np.zeros(capacity, np.int64)
         self.waiting = np.zeros(capacity, np.int64)
-        self.counters = np.zeros(layout.NUM_COUNTERS, np.int64)
+        loaded_loras = list(loaded_loras) if config.max_loras else []
+        num_slots = max(lora_slots, num_lora_slots(config.max_loras, len(loaded_loras), []))
+        self.counters = np.zeros(layout.NUM_COUNTERS + 2 * num_slots, np.int64)
         self.counters[layout.NUM_FREE_BLOCKS] = config.num_gpu_blocks
+        self.counters[layout.NUM_LOADED_LORAS] = len(loaded_loras)
+        self.counters[layout.LOADED_LORAS:layout.LOADED_LORAS + len(loaded_loras)] = loaded_loras
         self.clock = np.array([float(now_s)])
         self.request_ids: list[str] = []
         self._config_array = np.array([config.block_size, config.max_num_seqs,
                                        config.max_num_batched_tokens, config.watermark_blocks,
-                                       config.long_prefill_token_threshold], np.int64)
-        self._latency_array, self._linear_table_s = _latency_arrays(latency_model)
+                                       config.long_prefill_token_threshold, config.max_loras], np.int64)
+        self._latency_array, self._linear_table_s = _latency_arrays(latency_model, float(config.lora_load_ms))
 
     @classmethod
     def from_scheduler(cls, scheduler: EngineScheduler, spare_rows: int = 16) -> PackedScheduler:
         """The packed copy of ``scheduler`` (running then waiting, in their orders)."""
         requests = [*scheduler.running, *scheduler.waiting]
         packed = cls(scheduler.config, scheduler.latency_model, scheduler.now_s,
-                     capacity=len(requests) + spare_rows)
+                     capacity=len(requests) + spare_rows, loaded_loras=scheduler.loaded_loras,
+                     lora_slots=num_lora_slots(scheduler.config.max_loras, len(scheduler.loaded_loras),
+                                               [r.lora_id for r in scheduler.running]))
         num_rows = len(requests)
         if num_rows:
             # One array write per table.
             packed.requests[:num_rows] = [
                 (r.prompt_tokens, r.output_target_tokens, r.num_computed_tokens, r.num_generated_tokens,
-                 r.num_blocks, r.num_preemptions) for r in requests]
+                 r.num_blocks, r.num_preemptions, r.lora_id) for r in requests]
             packed.times[:num_rows] = [
                 (r.arrival_s, _nan_if_none(r.first_scheduled_at_s), _nan_if_none(r.first_token_at_s),
                  _nan_if_none(r.finished_at_s)) for r in requests]
@@ -108,14 +119,22 @@ class PackedScheduler:
     @classmethod
     def restored_columns(cls, config: EngineConfig, latency_model: StepLatencyModel, now_s: float,
                          ids: Sequence[str], values: np.ndarray, num_running: int, *,
-                         spare_rows: int = 16, engine_used_blocks: int | None = None) -> PackedScheduler:
+                         spare_rows: int = 16, engine_used_blocks: int | None = None,
+                         lora_ids: Sequence[int] | None = None, loaded_loras: Sequence[int] = ()) -> PackedScheduler:
         """:meth:`restored` from columns: ``ids`` and ``values`` (int64, one row per id:
         prompt tokens, output target, computed, generated), the first ``num_running`` of
         them running. In one compiled call (:func:`.packed_kernel.restore`), not row by row:
         a rebuild restores ~70 rows, and the per-row Python was most of it
-        (docs/results/decisions-at-scale.md)."""
+        (docs/results/decisions-at-scale.md).
+
+        With LoRA: ``lora_ids`` (one per id, 0 none; None: no adapters) and the resident
+        adapters ``loaded_loras``, least recently used first, as
+        :class:`EngineScheduler` numbers them."""
         num_rows = len(ids)
-        packed = cls(config, latency_model, now_s, capacity=num_rows + spare_rows)
+        slots = num_lora_slots(config.max_loras, len(loaded_loras), list(lora_ids[:num_running])) \
+            if lora_ids is not None else 0
+        packed = cls(config, latency_model, now_s, capacity=num_rows + spare_rows, loaded_loras=loaded_loras,
+                     lora_slots=slots)
         if not num_rows:
             packed._set_queues(0, 0, config.num_gpu_blocks)
             return packed
@@ -128,6 +147,8 @@ class PackedScheduler:
             _check_rows(list(zip(ids, *values.T.tolist(), strict=True)), config.max_model_len)
             raise ValueError("restored rows: refused by the kernel's checks")  # the two disagree: a bug
         packed.request_ids.extend(ids)
+        if lora_ids is not None:
+            packed.requests[:num_rows, layout.LORA] = lora_ids
         packed._set_queues(num_admitted, num_rows - num_admitted, free_blocks)
         return packed
 
@@ -176,6 +197,16 @@ class PackedScheduler:
         """Preemptions since this state was packed (clones carry the count on)."""
         return int(self.counters[layout.NUM_PREEMPTIONS])
 
+    @property
+    def num_lora_loads(self) -> int:
+        """Adapter loads since this state was packed (clones carry the count on)."""
+        return int(self.counters[layout.NUM_LORA_LOADS])
+
+    @property
+    def loaded_loras(self) -> list[int]:
+        """The resident adapters, least recently used first."""
+        return self.counters[layout.LOADED_LORAS:layout.LOADED_LORAS + self.counters[layout.NUM_LOADED_LORAS]].tolist()
+
     def running_rows(self) -> list[int]:
         return self.running[:self.counters[layout.NUM_RUNNING]].tolist()
 
@@ -196,14 +227,15 @@ class PackedScheduler:
             num_computed_tokens=values[layout.COMPUTED], num_generated_tokens=values[layout.GENERATED],
             num_preemptions=values[layout.PREEMPTIONS], first_scheduled_at_s=times[layout.FIRST_SCHEDULED],
             first_token_at_s=times[layout.FIRST_TOKEN], finished_at_s=times[layout.FINISHED],
-            num_blocks=values[layout.BLOCKS])
+            num_blocks=values[layout.BLOCKS], lora_id=values[layout.LORA])
 
     # --- changes --------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_tokens: int, output_target_tokens: int,
-                    arrival_s: float | None = None) -> int:
-        """Append a new request (nothing generated yet) to the waiting queue; returns its
-        row. The output target is clipped to ``max_model_len`` as vLLM stops there.
+                    arrival_s: float | None = None, lora_id: int = 0) -> int:
+        """Append a new request (nothing generated yet; adapter ``lora_id``, 0 none) to the
+        waiting queue; returns its row. The output target is clipped to ``max_model_len``
+        as vLLM stops there.
 
         Raises:
             ValueError: naming the field, for ``prompt_tokens`` outside [1, max_model_len)
@@ -217,6 +249,7 @@ class PackedScheduler:
         self.requests[row] = 0
         self.requests[row, layout.PROMPT] = prompt_tokens
         self.requests[row, layout.TARGET] = min(output_target_tokens, max_model_len - prompt_tokens)
+        self.requests[row, layout.LORA] = lora_id
         self.times[row] = math.nan
         self.times[row, layout.ARRIVAL] = self.now_s if arrival_s is None else arrival_s
         counters = self.counters
@@ -226,9 +259,10 @@ class PackedScheduler:
         self.request_ids.append(request_id)
         return row
 
-    def add_requests(self, new: Sequence[tuple[str, int, int]]) -> None:
+    def add_requests(self, new: Sequence[tuple[str, int, int]], lora_ids: Sequence[int] | None = None) -> None:
         """:meth:`add_request` for each (request id, prompt tokens, output tokens), arriving
-        now, in order, with one array write per table (same checks, same clipping)."""
+        now, in order, with one array write per table (same checks, same clipping);
+        ``lora_ids``: their adapters (None: none)."""
         if not new:
             return
         max_model_len = self.config.max_model_len
@@ -244,6 +278,8 @@ class PackedScheduler:
         self.requests[rows] = 0
         self.requests[rows, layout.PROMPT] = prompts
         self.requests[rows, layout.TARGET] = np.minimum(outputs, max_model_len - np.array(prompts))
+        if lora_ids is not None:
+            self.requests[rows, layout.LORA] = lora_ids
         self.times[rows] = math.nan
         self.times[rows, layout.ARRIVAL] = self.now_s
         counters = self.counters
@@ -281,26 +317,26 @@ class PackedScheduler:
         return other
 
     def what_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float,
-                baseline_finished_at_s: np.ndarray) -> tuple[float, float, float, float, int, np.ndarray]:
+                baseline_finished_at_s: np.ndarray, lora_id: int = 0) -> tuple[float, float, float, float, int, np.ndarray]:
         """:func:`.packed_kernel.what_if` on this state (unchanged): a request of this size
-        appended and everything simulated to the end, in one compiled call.
-        ``baseline_finished_at_s`` must cover every current row."""
+        (and adapter: ``lora_id``, 0 none) appended and everything simulated to the end,
+        in one compiled call. ``baseline_finished_at_s`` must cover every current row."""
         if len(baseline_finished_at_s) < self.num_rows:
             raise ValueError("baseline_finished_at_s: must have a time for every row")
         output_tokens = min(output_tokens, self.config.max_model_len - prompt_tokens)
         return kernel.what_if(
             self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
             self._config_array, self._latency_array, self._linear_table_s,
-            prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s)
+            prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s, lora_id)
 
-    def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float) -> float:
+    def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float, lora_id: int = 0) -> float:
         """:meth:`what_if`'s TTFT alone, from a run that stops at the new request's first
         token (:func:`.packed_kernel.first_token_if`): the same value, at a fraction of the cost."""
         output_tokens = min(output_tokens, self.config.max_model_len - prompt_tokens)
         return float(kernel.first_token_if(
             self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
             self._config_array, self._latency_array, self._linear_table_s,
-            prompt_tokens, output_tokens, arrival_s))
+            prompt_tokens, output_tokens, arrival_s, lora_id))
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -356,13 +392,14 @@ def warm_up() -> None:
 
 
 @lru_cache(maxsize=256)
-def _latency_arrays(latency_model: StepLatencyModel) -> tuple[np.ndarray, np.ndarray]:
-    """The model as the kernel reads it (cached: the table has one entry per token)."""
+def _latency_arrays(latency_model: StepLatencyModel, lora_load_ms: float) -> tuple[np.ndarray, np.ndarray]:
+    """The model (and the engine's adapter load time) as the kernel reads them (cached:
+    the table has one entry per token)."""
     if type(latency_model).step_seconds is not StepLatencyModel.step_seconds:
         raise ValueError("latency_model: the packed scheduler needs StepLatencyModel's formula")
     coefficients = np.array([latency_model.linear_scale, latency_model.kv_token_s,
                              latency_model.prefill_pair_s, latency_model.step_overhead_s,
-                             latency_model.tail_slope_s])
+                             latency_model.tail_slope_s, lora_load_ms])
     return coefficients, np.array(latency_model.linear_table_s)
 
 

@@ -23,6 +23,8 @@ from blockq.engine_model.packed_layout import (
     FIRST_TOKEN,
     GENERATED,
     LONG_PREFILL_THRESHOLD,
+    LORA,
+    MAX_LORAS,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     NUM_PREEMPTIONS,
@@ -113,10 +115,10 @@ def _could_empty_queue(requests: np.ndarray, waiting: np.ndarray, counters: np.n
 @njit(cache=True)
 def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
                            waiting: np.ndarray, counters: np.ndarray, clock: np.ndarray,
-                           config: np.ndarray, latency: np.ndarray, linear_table_s: np.ndarray) -> None:
+                           config: np.ndarray, latency: np.ndarray, linear_table_s: np.ndarray) -> int:
     """Advance to the last step boundary at which a row appended now to the waiting queue
     would not yet have been looked at: the boundary before the first step that leaves the
-    waiting queue empty. Nothing waiting: no change.
+    waiting queue empty; returns the steps advanced. Nothing waiting: no change.
 
     Why that boundary: admission (phase 3 of a step) takes the queue head by head, FCFS,
     and stops at the first head that does not fit, never skipping one; preempted rows
@@ -128,7 +130,13 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
     before that first emptying step therefore runs the same with or without the appended
     row, and the appended row is still waiting, untouched, at its boundary (the emptying
     step itself may or may not look at it: its budget or sequence slots may run out
-    first)."""
+    first).
+
+    With LoRA, admission passes over the rows the ``max_loras`` rule skips, so an appended
+    row is looked at in the first step that admits or skips every row ahead of it (the
+    step returns 0), even with rows left waiting; and a decode span stops where it would
+    pass over the whole queue."""
+    with_lora = config[MAX_LORAS] > 0
     scheduled, new_tokens, preempted, decodes, prefills, blocks_by_phase, remaining = _scratch(
         requests.shape[0], config[BLOCK_SIZE])
     saved_requests = np.empty_like(requests)
@@ -136,15 +144,20 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
     saved_running = np.empty_like(running)
     saved_waiting = np.empty_like(waiting)
     saved_counters = np.empty_like(counters)
+    num_steps = 0
     while counters[NUM_WAITING] > 0:
         # A decode span never admits anyone (its first step could not), so it keeps the queue.
-        if decode_span(requests, times, running, waiting, counters, clock, config, latency,
-                       linear_table_s, np.inf, 1 << 62, -1, blocks_by_phase, remaining):
+        num_jumped = decode_span(requests, times, running, waiting, counters, clock, config, latency,
+                                 linear_table_s, np.inf, 1 << 62, -1, blocks_by_phase, remaining, True)
+        if num_jumped:
+            num_steps += num_jumped
             continue
-        if not _could_empty_queue(requests, waiting, counters, config):
+        # (_could_empty_queue counts every row as admitted: skipped rows take nothing.)
+        if not with_lora and not _could_empty_queue(requests, waiting, counters, config):
             # No need to keep the state before a step that cannot empty the queue.
             step(requests, times, running, waiting, counters, clock, config, latency, linear_table_s,
                  scheduled, new_tokens, preempted, decodes, prefills)
+            num_steps += 1
             continue
         saved_requests[:] = requests
         saved_times[:] = times
@@ -152,24 +165,26 @@ def advance_to_queue_drain(requests: np.ndarray, times: np.ndarray, running: np.
         saved_waiting[:] = waiting
         saved_counters[:] = counters
         saved_now_s = clock[0]
-        step(requests, times, running, waiting, counters, clock, config, latency, linear_table_s,
-             scheduled, new_tokens, preempted, decodes, prefills)
-        if counters[NUM_WAITING] == 0:
+        if step(requests, times, running, waiting, counters, clock, config, latency, linear_table_s,
+                scheduled, new_tokens, preempted, decodes, prefills) == 0:
             requests[:] = saved_requests
             times[:] = saved_times
             running[:] = saved_running
             waiting[:] = saved_waiting
             counters[:] = saved_counters
             clock[0] = saved_now_s
-            return
+            return num_steps
+        num_steps += 1
+    return num_steps
 
 
 @njit(cache=True)
 def _with_request(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
                   counters: np.ndarray, clock: np.ndarray, prompt_tokens: int, output_tokens: int,
-                  arrival_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                  arrival_s: float, lora_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A copy of the state with a request of this size appended to the waiting queue (its
-    row last, exactly one spare row, the waiting ring laid out from slot 0)."""
+    row last, exactly one spare row, the waiting ring laid out from slot 0; ``lora_id``: its
+    adapter, 0 none)."""
     num_rows = counters[NUM_ROWS]
     capacity = waiting.shape[0]
     new_requests = np.empty((num_rows + 1, NUM_REQUEST_FIELDS), np.int64)
@@ -190,6 +205,7 @@ def _with_request(requests: np.ndarray, times: np.ndarray, running: np.ndarray, 
     new_requests[num_rows, :] = 0
     new_requests[num_rows, PROMPT] = prompt_tokens
     new_requests[num_rows, TARGET] = output_tokens
+    new_requests[num_rows, LORA] = lora_id
     new_times[num_rows, :] = np.nan
     new_times[num_rows, ARRIVAL] = arrival_s
     return new_requests, new_times, new_running, new_waiting, new_counters, clock.copy()
@@ -199,13 +215,13 @@ def _with_request(requests: np.ndarray, times: np.ndarray, running: np.ndarray, 
 def first_token_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
                    counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
                    linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int,
-                   arrival_s: float) -> float:
+                   arrival_s: float, lora_id: int = 0) -> float:
     """:func:`what_if`'s first output alone: the run stops at the new request's first token
     (or its finish), which is usually a few steps in, not at the end of everything. Every
     step up to there is the full run's, so the value is the same."""
     num_rows = counters[NUM_ROWS]
     new_requests, new_times, new_running, new_waiting, new_counters, new_clock = _with_request(
-        requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s)
+        requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s, lora_id)
     simulate(new_requests, new_times, new_running, new_waiting, new_counters, new_clock, config,
              latency, linear_table_s, np.inf, num_rows, 1 << 62, FIRST_TOKEN)
     first_token_s = new_times[num_rows, FIRST_TOKEN]
@@ -218,17 +234,18 @@ def first_token_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
 def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
             counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
             linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int, arrival_s: float,
-            baseline_finished_at_s: np.ndarray) -> tuple[float, float, float, float, int, np.ndarray]:
+            baseline_finished_at_s: np.ndarray, lora_id: int = 0) -> tuple[float, float, float, float, int, np.ndarray]:
     """Append a request to a copy of the state and simulate until everything finishes;
     the state itself is not changed. ``output_tokens`` must already fit ``max_model_len``.
 
     Returns, in seconds after ``arrival_s``: the request's first token and finish, the
     sum over the rows already there of how much later each finishes than in
     ``baseline_finished_at_s`` (by row), the latest finish; the preemptions the run
-    made; and every row's finish time (the new request's row last)."""
+    made; and every row's finish time (the new request's row last). ``lora_id``: the
+    request's adapter (0: none)."""
     num_rows = counters[NUM_ROWS]
     new_requests, new_times, new_running, new_waiting, new_counters, new_clock = _with_request(
-        requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s)
+        requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s, lora_id)
     simulate(new_requests, new_times, new_running, new_waiting, new_counters, new_clock, config,
              latency, linear_table_s, np.inf, -1, 1 << 62)
     added_delay_s = 0.0

@@ -4,6 +4,11 @@ Within a span every running row decodes one token per step, so a step's cost and
 blocks it takes follow from a few running sums instead of a visit to every row (see
 :func:`decode_span`). Durations are still summed one step at a time, in the order
 :meth:`EngineScheduler.step` sums them, so the results equal stepping exactly.
+
+With LoRA a span starts only where every running row's adapter is resident (a step that
+loads is left to :func:`.packed_step.step`: its duration is not a decode step's); the
+admission check looks past the waiting rows the ``max_loras`` rule would skip; and the
+resident adapters end in the order stepping leaves them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from blockq.engine_model.packed_layout import (
     COMPUTED,
     FINISHED,
     GENERATED,
+    MAX_LORAS,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     NUM_FREE_BLOCKS,
@@ -27,21 +33,32 @@ from blockq.engine_model.packed_layout import (
     WAITING_HEAD,
     WATERMARK_BLOCKS,
 )
+from blockq.engine_model.packed_lora import admission_candidate, all_resident, touch_active
 from blockq.engine_model.packed_step import ceil_div, step_seconds
 
 
 @njit(cache=True)
-def admits_next(requests: np.ndarray, waiting: np.ndarray, counters: np.ndarray, config: np.ndarray,
-                num_running: int, num_free_blocks: int, num_new_blocks: int) -> bool:
-    """Whether the next step's phase 2 would admit the waiting head, given the running
-    rows (all decoding) and the blocks their decodes take in that step: budget and a
-    slot left, and the head's whole request fitting beside the watermark."""
-    budget = config[MAX_NUM_BATCHED_TOKENS] - num_running
-    if counters[NUM_WAITING] == 0 or budget <= 0 or num_running >= config[MAX_NUM_SEQS]:
+def admits_next(requests: np.ndarray, running: np.ndarray, waiting: np.ndarray, counters: np.ndarray,
+                config: np.ndarray, num_active: int, num_free_blocks: int, num_new_blocks: int,
+                remaining: np.ndarray, step_index: int, stop_if_all_skipped: bool) -> bool:
+    """Whether the next step's phase 2 would admit a row, after decode step ``step_index``
+    (0: none yet) of a span whose ``num_active`` rows still run (all decoding), given the
+    blocks their decodes take in that step: budget and a slot left, and the first waiting
+    row not skipped for its adapter (without LoRA: the head) fitting beside the watermark.
+    ``stop_if_all_skipped``: also True when admission would pass over every waiting row (a
+    row appended at the tail would be looked at: the queue-drain snapshot stops there)."""
+    budget = config[MAX_NUM_BATCHED_TOKENS] - num_active
+    if counters[NUM_WAITING] == 0 or budget <= 0 or num_active >= config[MAX_NUM_SEQS]:
         return False
-    head = waiting[counters[WAITING_HEAD]]
+    if config[MAX_LORAS] > 0:
+        head = admission_candidate(requests, running, counters[NUM_RUNNING], waiting, counters, config,
+                                   remaining, step_index)
+        if head < 0:
+            return stop_if_all_skipped  # every waiting row is skipped: nothing is admitted
+    else:
+        head = waiting[counters[WAITING_HEAD]]
     num_needed = ceil_div(requests[head, PROMPT] + requests[head, GENERATED], config[BLOCK_SIZE])
-    watermark_blocks = config[WATERMARK_BLOCKS] if num_running > 0 else 0
+    watermark_blocks = config[WATERMARK_BLOCKS] if num_active > 0 else 0
     return num_free_blocks - num_new_blocks - num_needed >= watermark_blocks
 
 
@@ -50,7 +67,7 @@ def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, wa
                 counters: np.ndarray, clock: np.ndarray, config: np.ndarray,
                 latency: np.ndarray, linear_table_s: np.ndarray, until_s: float,
                 max_num_steps: int, stop_row: int, blocks_by_phase: np.ndarray,
-                remaining: np.ndarray) -> int:
+                remaining: np.ndarray, stop_if_all_skipped: bool = False) -> int:
     """Run the decode-only steps ahead (0 if the next step is not one) and return how many.
 
     A span holds while every running row decodes, no step preempts and the waiting head
@@ -60,7 +77,7 @@ def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, wa
     ``first_r = blocks * block_size - computed + 1`` (in ``1 .. block_size``), then every
     ``block_size`` steps, so ``blocks_by_phase[(j - 1) % block_size]`` counts the blocks
     step ``j`` takes. Step ``j`` reads ``sum(computed) + num_rows * j`` KV tokens over the
-    rows still running."""
+    rows still running. ``stop_if_all_skipped``: see :func:`admits_next`."""
     num_running = counters[NUM_RUNNING]
     if num_running == 0 or max_num_steps <= 0:
         return 0
@@ -79,10 +96,14 @@ def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, wa
             return 0
         blocks_by_phase[first_block_step - 1] += 1
         num_kv_tokens += computed
+    with_lora = config[MAX_LORAS] > 0
+    if with_lora and not all_resident(requests, running, num_running, counters):
+        return 0  # the first step loads an adapter
     num_free_blocks = counters[NUM_FREE_BLOCKS]
     if blocks_by_phase[0] > num_free_blocks:
         return 0  # the first step preempts
-    if admits_next(requests, waiting, counters, config, num_running, num_free_blocks, blocks_by_phase[0]):
+    if admits_next(requests, running, waiting, counters, config, num_running, num_free_blocks,
+                   blocks_by_phase[0], remaining, 0, stop_if_all_skipped):
         return 0  # the first step admits
     finish_order = np.argsort(remaining[:num_running])
     num_finished = 0
@@ -99,6 +120,8 @@ def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, wa
                                      num_kv_tokens + num_active * num_steps, 0)
         if remaining[finish_order[num_finished]] != num_steps:
             continue
+        if with_lora:  # the batch changes after this step: the LRU as this step leaves it
+            touch_active(requests, running, num_running, counters, config, remaining, num_steps)
         stopped = False
         while num_finished < num_running and remaining[finish_order[num_finished]] == num_steps:
             k = finish_order[num_finished]
@@ -115,11 +138,13 @@ def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, wa
             stopped = stopped or row == stop_row
         if stopped or num_active == 0:
             break
-        if admits_next(requests, waiting, counters, config, num_active, num_free_blocks,
-                        blocks_by_phase[num_steps % block_size]):
+        if admits_next(requests, running, waiting, counters, config, num_active, num_free_blocks,
+                       blocks_by_phase[num_steps % block_size], remaining, num_steps, stop_if_all_skipped):
             break
     if num_steps == 0:
         return 0
+    if with_lora:
+        touch_active(requests, running, num_running, counters, config, remaining, num_steps)
     clock[0] = now_s
     counters[NUM_FREE_BLOCKS] = num_free_blocks
     num_kept = 0

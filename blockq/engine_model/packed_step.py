@@ -1,7 +1,9 @@
 """One engine step over packed state, compiled: :class:`StepBuilder`'s phases (running
 requests in order, FCFS admission, execution) on the arrays laid out in
 :mod:`.packed_layout`, in the same order of floating-point operations as
-:meth:`EngineScheduler.step`, so that times come out equal, not just close."""
+:meth:`EngineScheduler.step`, so that times come out equal, not just close. With LoRA
+(``config[MAX_LORAS]`` > 0), admission skips as vLLM does and the step pays the adapters
+it loads (:mod:`.packed_lora`)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from blockq.engine_model.packed_layout import (
     KV_TOKEN_S,
     LINEAR_SCALE,
     LONG_PREFILL_THRESHOLD,
+    LORA,
+    LORA_LOAD_MS,
+    MAX_LORAS,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
     NUM_FREE_BLOCKS,
@@ -33,6 +38,12 @@ from blockq.engine_model.packed_layout import (
     TARGET,
     WAITING_HEAD,
     WATERMARK_BLOCKS,
+)
+from blockq.engine_model.packed_lora import (
+    add_to_batch,
+    scheduled_adapters,
+    skips,
+    use_batch_adapters,
 )
 
 # scheduled[] marks within one step
@@ -96,8 +107,12 @@ def capped_new_tokens(num_tokens: int, threshold: int, budget: int) -> int:
 def step(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
          counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
          linear_table_s: np.ndarray, scheduled: np.ndarray, new_tokens: np.ndarray,
-         preempted: np.ndarray, decodes: np.ndarray, prefills: np.ndarray) -> None:
+         preempted: np.ndarray, decodes: np.ndarray, prefills: np.ndarray) -> int:
     """One engine iteration (:class:`StepBuilder`'s phases); there must be work.
+
+    Returns the waiting rows that admission did not pass over (neither admitted nor
+    skipped for their adapter; all of them when nothing was admitted after a preemption):
+    0 means a row appended at the tail before this step would have been looked at.
 
     ``scheduled`` / ``new_tokens`` / ``preempted`` (per row) and ``decodes`` / ``prefills``
     (row lists) are scratch space, left clean for the next step."""
@@ -107,17 +122,24 @@ def step(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: 
     budget, num_decodes, num_prefills = _schedule_running(
         requests, running, waiting, counters, config, threshold, scheduled, new_tokens, preempted,
         decodes, prefills)
+    num_skipped = 0
     if counters[NUM_PREEMPTIONS] == num_preempted:
-        num_prefills = _admit_waiting(requests, times, running, waiting, counters, clock, config,
-                                      threshold, budget, scheduled, new_tokens, prefills, num_prefills)
+        num_prefills, num_skipped = _admit_waiting(requests, times, running, waiting, counters, clock, config,
+                                                   threshold, budget, scheduled, new_tokens, prefills, num_prefills)
+    lora_load_s = 0.0
+    if config[MAX_LORAS] > 0:
+        num_batch = scheduled_adapters(requests, running, counters[NUM_RUNNING], counters, scheduled)
+        # As StepBuilder.execute: loads times the figure, in ms, then in seconds.
+        lora_load_s = use_batch_adapters(counters, config, num_batch) * latency[LORA_LOAD_MS] / 1000
     _execute(requests, times, running, counters, clock, latency, linear_table_s, scheduled,
-             new_tokens, decodes, num_decodes, prefills, num_prefills)
+             new_tokens, decodes, num_decodes, prefills, num_prefills, lora_load_s)
     # Rows preempted this step are the only waiting ones marked: they were pushed to the
     # head, and no admission followed (phase 2 is skipped after a preemption); they were
     # never scheduled, so their `scheduled` mark is clear.
     capacity = waiting.shape[0]
     for k in range(counters[NUM_PREEMPTIONS] - num_preempted):
         preempted[waiting[(counters[WAITING_HEAD] + k) % capacity]] = False
+    return counters[NUM_WAITING] - num_skipped
 
 
 @njit(cache=True)
@@ -160,21 +182,34 @@ def _schedule_running(requests: np.ndarray, running: np.ndarray, waiting: np.nda
 def _admit_waiting(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
                    waiting: np.ndarray, counters: np.ndarray, clock: np.ndarray,
                    config: np.ndarray, threshold: int, budget: int, scheduled: np.ndarray,
-                   new_tokens: np.ndarray, prefills: np.ndarray, num_prefills: int) -> int:
+                   new_tokens: np.ndarray, prefills: np.ndarray, num_prefills: int) -> tuple[int, int]:
     """Phase 2: admit from the waiting queue, FCFS, while the whole request fits beside
-    the watermark (kept only once a row is running). Returns the prefill chunks listed."""
+    the watermark (kept only once a row is running). With LoRA, a row whose adapter would
+    be one too many in the batch is skipped (vLLM's ``continue``): it stays at the front,
+    in order, the skipped rows ahead of the rest. Returns the prefill chunks listed and
+    the rows skipped."""
     block_size = config[BLOCK_SIZE]
     capacity = waiting.shape[0]
-    while (counters[NUM_WAITING] > 0 and budget > 0
+    with_lora = config[MAX_LORAS] > 0
+    num_batch = scheduled_adapters(requests, running, counters[NUM_RUNNING], counters, scheduled) if with_lora else 0
+    num_skipped = 0
+    while (counters[NUM_WAITING] > num_skipped and budget > 0
            and counters[NUM_RUNNING] < config[MAX_NUM_SEQS]):
-        row = waiting[counters[WAITING_HEAD]]
+        head = counters[WAITING_HEAD]
+        row = waiting[(head + num_skipped) % capacity]
+        if with_lora and skips(counters, config, num_batch, requests[row, LORA]):
+            num_skipped += 1
+            continue
         num_known = requests[row, PROMPT] + requests[row, GENERATED]
         watermark_blocks = config[WATERMARK_BLOCKS] if counters[NUM_RUNNING] > 0 else 0
         if ceil_div(num_known, block_size) + watermark_blocks > counters[NUM_FREE_BLOCKS]:
             break
         num_new = capped_new_tokens(num_known, threshold, budget)
         num_needed = ceil_div(num_new, block_size)
-        counters[WAITING_HEAD] = (counters[WAITING_HEAD] + 1) % capacity
+        # The row leaves the queue: the skipped rows ahead of it move up one slot.
+        for k in range(num_skipped, 0, -1):
+            waiting[(head + k) % capacity] = waiting[(head + k - 1) % capacity]
+        counters[WAITING_HEAD] = (head + 1) % capacity
         counters[NUM_WAITING] -= 1
         counters[NUM_FREE_BLOCKS] -= num_needed
         requests[row, BLOCKS] += num_needed
@@ -187,16 +222,19 @@ def _admit_waiting(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
         prefills[num_prefills] = row
         num_prefills += 1
         budget -= num_new
-    return num_prefills
+        if with_lora:
+            num_batch = add_to_batch(counters, num_batch, requests[row, LORA])
+    return num_prefills, num_skipped
 
 
 @njit(cache=True)
 def _execute(requests: np.ndarray, times: np.ndarray, running: np.ndarray, counters: np.ndarray,
              clock: np.ndarray, latency: np.ndarray, linear_table_s: np.ndarray,
              scheduled: np.ndarray, new_tokens: np.ndarray, decodes: np.ndarray, num_decodes: int,
-             prefills: np.ndarray, num_prefills: int) -> None:
-    """Phase 3: run the batch, advance the clock, stamp first tokens and finishes, free
-    finished rows' blocks and clear the `scheduled` marks."""
+             prefills: np.ndarray, num_prefills: int, lora_load_s: float) -> None:
+    """Phase 3: run the batch (``lora_load_s`` longer: its adapter loads), advance the
+    clock, stamp first tokens and finishes, free finished rows' blocks and clear the
+    `scheduled` marks."""
     num_kv_tokens = 0
     for k in range(num_decodes):
         row = decodes[k]
@@ -223,6 +261,8 @@ def _execute(requests: np.ndarray, times: np.ndarray, running: np.ndarray, count
     if num_decodes or num_prefills:
         duration_s = step_seconds(latency, linear_table_s, num_prefill_tokens, num_decodes,
                                   num_kv_tokens, num_pairs)
+        if lora_load_s > 0.0:  # the reference adds 0.0 otherwise: the same sum
+            duration_s = duration_s + lora_load_s
     ended_at_s = clock[0] + duration_s
     clock[0] = ended_at_s
     for k in range(num_prefills):
