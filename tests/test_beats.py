@@ -30,12 +30,15 @@ def test_the_fast_path_decodes_as_entry_by_entry() -> None:
 
 @pytest.mark.parametrize("entry, message", [
     (["r1", 10, 5, -1, 3, 4], "counts must be ints"),
-    (["r1", 10, 5, 1, 3], "6- or 8-element lists"),
+    (["r1", 10, 5, 1, 3], "6-, 8- or 9-element lists"),
     (["", 10, 5, 1, 3, 4], "request ids must be strings"),
     (["r1", 10, 5, 2**31, 3, 4], "counts must be ints"),
     (["r1", 10, 5, True, 3, 4], "counts must be ints"),
     (["r1", 10, 5, 1, 3, 4, "x", None], "counts must be ints"),
-    ("r1", "6- or 8-element lists"),
+    (["r1", 10, 5, 1, 3, 4, None, None, ""], "the adapter must be None or a name"),
+    (["r1", 10, 5, 1, 3, 4, None, None, 7], "the adapter must be None or a name"),
+    (["r1", 10, 5, 1, 3, 4, None, None, "x" * 257], "the adapter must be None or a name"),
+    ("r1", "6-, 8- or 9-element lists"),
 ])
 def test_a_bad_entry_is_refused_naming_its_list(entry: object, message: str) -> None:
     data = make_heartbeat("a", running=progress(3)).to_map()
@@ -43,6 +46,20 @@ def test_a_bad_entry_is_refused_naming_its_list(entry: object, message: str) -> 
     with pytest.raises(ValidationError, match=message) as caught:
         decode_heartbeat(pack_map(data))
     assert caught.value.field == "waiting"
+
+
+def test_an_entry_names_its_adapter_only_when_it_has_one() -> None:
+    """The no-adapter entries keep their six or eight values; one with an adapter has nine,
+    and a beat mixing all three decodes (fast path) as entry by entry does."""
+    plain, refined = progress(1)[0], progress(1, refined=True)[0]
+    with_adapter = plain._replace(request_id="r9", lora_adapter="sql")
+    assert (len(plain.to_list()), len(refined.to_list()), len(with_adapter.to_list())) == (6, 8, 9)
+    assert with_adapter.to_list()[4:] == [300, 600, None, None, "sql"]
+    beat = make_heartbeat("a", running=(plain, with_adapter), waiting=(refined._replace(request_id="r8"),))
+    decoded = decode_heartbeat(encode(beat))
+    assert decoded.running == beat.running and decoded.running[1].lora_adapter == "sql"
+    assert decoded.waiting[0].lora_adapter is None
+    assert RequestProgress.from_list(with_adapter.to_list()) == with_adapter
 
 
 def test_the_fleet_decoder_checks_an_engine_model_when_it_changes() -> None:

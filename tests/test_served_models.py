@@ -138,7 +138,25 @@ def test_an_emulated_worker_serves_what_its_options_say() -> None:
     assert engine.validate(spec) is None
     assert "gpt-9" in (engine.validate(dataclasses.replace(spec, model="gpt-9")) or "")
     engine.add_request(spec)
+    engine.add_request(dataclasses.replace(spec, request_id="r2", model="base"))
     assert engine.engine_stats()["waiting_lora_adapters"] == ["poems"]
+    _, waiting, _ = engine.progress()  # each request's adapter, for the dispatcher's replica
+    assert [(entry.request_id, entry.lora_adapter) for entry in waiting] == [("r1", "poems"), ("r2", None)]
     engine.finish_step(engine.start_step())
     assert engine.engine_config()["loaded_loras"] == ["poems"] and engine.engine_config() is not config
     assert engine.engine_stats()["num_lora_loads_total"] == 1
+
+
+def test_streamed_workers_name_each_requests_adapter_in_their_beats() -> None:
+    """The vLLM workers (embedded and over HTTP) build their entries with progress_item:
+    an adapter they serve is named, the base model and other names are not."""
+    from workers.engines.base import EngineRequestSpec
+    from workers.engines.streamed import laid_over_arrival_order, progress_item
+
+    spec = EngineRequestSpec("r1", "hi", prompt_tokens=4, max_tokens=4, model="sql")
+    assert progress_item(spec, 3, 1, ADAPTERS).lora_adapter == "sql"
+    assert progress_item(spec, 3, 1).lora_adapter is None
+    assert progress_item(dataclasses.replace(spec, model="base"), 3, 1, ADAPTERS).lora_adapter is None
+    running, waiting = laid_over_arrival_order([(spec, 1), (dataclasses.replace(spec, request_id="r2"), 0)], 1,
+                                               ADAPTERS)
+    assert [entry.lora_adapter for entry in [*running, *waiting]] == ["sql", "sql"]

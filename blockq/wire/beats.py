@@ -22,7 +22,7 @@ from blockq.wire.protocol import (
     float_field,
     unpack_map,
 )
-from blockq.wire.served_models import check_adapter_lists
+from blockq.wire.served_models import MAX_NAME_CHARS, check_adapter_lists
 
 MAX_HEARTBEAT_REQUESTS = 256  # per list; longer lists are truncated and flagged
 # Output blocks newly cached per beat: a beat every 100 ms rarely finishes more than a few
@@ -39,7 +39,10 @@ class RequestProgress(NamedTuple):
     ``predicted_output_tokens`` / ``p90_tokens`` / ``p10_tokens`` are total output tokens:
     the request's first guess, or, when ``refined_at_tokens`` is set, the refinement made
     from its partial output after that many generated tokens (:mod:`workers.refinement`).
-    Beats of older workers carry the first six fields only."""
+    ``lora_adapter``: the LoRA adapter the request runs with, by name (None: the base
+    model), so that the dispatcher's replica runs the ``max_loras`` rule and the loads
+    (docs/dispatcher.md, "Models and adapters"). Beats of older workers carry the first
+    six or eight fields only; an entry carries the ninth only when it names an adapter."""
 
     request_id: str
     prompt_tokens: int
@@ -49,19 +52,26 @@ class RequestProgress(NamedTuple):
     p90_tokens: int | None = None
     p10_tokens: int | None = None
     refined_at_tokens: int | None = None
+    lora_adapter: str | None = None
 
     def to_list(self) -> list[Any]:
-        if self.refined_at_tokens is None and self.p10_tokens is None:
-            return list(self[:6])  # the common case stays as small as it was
+        if self.lora_adapter is None:
+            if self.refined_at_tokens is None and self.p10_tokens is None:
+                return list(self[:6])  # the common case stays as small as it was
+            return list(self[:8])
         return list(self)
 
     @classmethod
     def from_list(cls, values: list[Any], list_name: str = "running") -> RequestProgress:
         """Decode one entry of ``list_name``: an id, then counts that are ints in [0, 2**31)
-        (the last four may be None); anything else is refused naming the list."""
-        if not isinstance(values, list | tuple) or len(values) not in (6, 8):
-            raise ValidationError(list_name, "entries must be 6- or 8-element lists")
-        request_id, *counts = values
+        (the last four may be None), then (9 elements) an adapter name of 1-256 characters
+        or None; anything else is refused naming the list."""
+        if not isinstance(values, list | tuple) or len(values) not in (6, 8, 9):
+            raise ValidationError(list_name, "entries must be 6-, 8- or 9-element lists")
+        request_id, *counts = values[:8]
+        if len(values) == 9 and not _is_adapter_name(values[8]):
+            raise ValidationError(list_name, f"entry {request_id!r}: the adapter must be None or a name of "
+                                             f"1-{MAX_NAME_CHARS} characters")
         if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
             raise ValidationError(list_name, f"request ids must be strings of 1-{MAX_REQUEST_ID_CHARS} characters")
         for position, count in enumerate(counts):
@@ -222,7 +232,10 @@ def _well_formed_progress(entries: list[Any]) -> ProgressList | None:
     when any entry is not well formed (the caller then finds which, and why)."""
     if not entries:
         return ProgressList([])
-    if set(map(type, entries)) != {list} or not set(map(len, entries)) <= {6, 8}:
+    lengths = set(map(len, entries))
+    if set(map(type, entries)) != {list} or not lengths <= {6, 8, 9}:
+        return None
+    if 9 in lengths and not all(_is_adapter_name(entry[8]) for entry in entries if len(entry) == 9):
         return None
     ids = list(map(_FIRST, entries))
     if set(map(type, ids)) != {str} or min(map(len, ids)) < 1 or max(map(len, ids)) > MAX_REQUEST_ID_CHARS:
@@ -239,7 +252,11 @@ def _well_formed_progress(entries: list[Any]) -> ProgressList | None:
 
 _FIRST = itemgetter(0)
 _REQUIRED_COUNTS = itemgetter(1, 2, 3)
-_OPTIONAL_COUNTS = itemgetter(slice(4, None))
+_OPTIONAL_COUNTS = itemgetter(slice(4, 8))
+
+
+def _is_adapter_name(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS)
 
 
 class ProgressList(Sequence[RequestProgress]):
@@ -266,7 +283,7 @@ class ProgressList(Sequence[RequestProgress]):
         return list(map(itemgetter(position), self._raw if self._raw is not None else self._made()))
 
     def values(self) -> Sequence[Sequence[Any]]:
-        """The entries as decoded lists (6 or 8 values), or as entries once made."""
+        """The entries as decoded lists (6, 8 or 9 values), or as entries once made."""
         return self._raw if self._raw is not None else self._made()
 
     def __len__(self) -> int:
@@ -292,7 +309,7 @@ class ProgressList(Sequence[RequestProgress]):
 
 def progress_values(progress: Sequence[RequestProgress]) -> Sequence[Sequence[Any]]:
     """A beat's list entry by entry as :class:`RequestProgress` fields in order (a decoded
-    one's entries as decoded, 6 or 8 values, without making them into entries: a replica
+    one's entries as decoded, 6, 8 or 9 values, without making them into entries: a replica
     rebuild reads every entry once)."""
     if isinstance(progress, ProgressList):
         return progress.values()

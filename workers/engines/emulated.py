@@ -331,10 +331,12 @@ class EmulatedEngine:
 
     def _progress(self, request: EngineRequest) -> RequestProgress:
         spec = self._specs.get(request.request_id)
+        # The adapter by name, for the dispatcher's replica (None: the base model).
+        adapter = self.options.lora_adapters[request.lora_id - 1] if request.lora_id else None
         return RequestProgress(request.request_id, request.prompt_tokens, request.num_computed_tokens,
                                request.num_generated_tokens,
                                spec.predicted_output_tokens if spec else None,
-                               spec.p90_tokens if spec else None)
+                               spec.p90_tokens if spec else None, lora_adapter=adapter)
 
     def _output_target(self, spec: EngineRequestSpec) -> int:
         """Where ``spec`` would end without the engine's limits (``max_tokens`` and

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,13 +84,17 @@ def prompt_refusal(spec: EngineRequestSpec, max_model_len: int) -> str | None:
     return None
 
 
-def progress_item(spec: EngineRequestSpec, num_computed: int, num_generated: int) -> RequestProgress:
+def progress_item(spec: EngineRequestSpec, num_computed: int, num_generated: int,
+                  adapter_names: Container[str] = ()) -> RequestProgress:
+    """``spec`` as a beat reports it; it names its LoRA adapter when ``spec.model`` is one of
+    ``adapter_names`` (the worker sent the request, so it knows; the base model: None)."""
+    adapter = spec.model if spec.model is not None and spec.model in adapter_names else None
     return RequestProgress(spec.request_id, spec.prompt_tokens, num_computed, num_generated,
-                           spec.predicted_output_tokens, spec.p90_tokens)
+                           spec.predicted_output_tokens, spec.p90_tokens, lora_adapter=adapter)
 
 
-def laid_over_arrival_order(specs_and_generated: Iterable[tuple[EngineRequestSpec, int]], num_running: int
-                            ) -> tuple[list[RequestProgress], list[RequestProgress]]:
+def laid_over_arrival_order(specs_and_generated: Iterable[tuple[EngineRequestSpec, int]], num_running: int,
+                            adapter_names: Container[str] = ()) -> tuple[list[RequestProgress], list[RequestProgress]]:
     """(running, waiting) when vLLM says only how many run: its FCFS order is arrival
     order, so the earliest ``num_running`` run, having computed all but their last token;
     the rest (never started, or preempted: preemption takes the latest) wait with nothing
@@ -100,7 +104,7 @@ def laid_over_arrival_order(specs_and_generated: Iterable[tuple[EngineRequestSpe
     for spec, num_generated in specs_and_generated:
         is_running = len(running) < num_running
         num_computed = spec.prompt_tokens + num_generated - 1 if is_running and num_generated else 0
-        (running if is_running else waiting).append(progress_item(spec, num_computed, num_generated))
+        (running if is_running else waiting).append(progress_item(spec, num_computed, num_generated, adapter_names))
     return running, waiting
 
 

@@ -268,7 +268,7 @@ class VllmEngine:
         if snapshot is not None:
             return self._progress_of(snapshot)
         running, waiting = laid_over_arrival_order(
-            ((t.spec, t.num_tokens_sent) for t in self._tracked.values()), self.stats.num_running)
+            ((t.spec, t.num_tokens_sent) for t in self._tracked.values()), self.stats.num_running, self._adapters)
         return running, waiting, round(self.stats.kv_cache_usage * self._config["num_gpu_blocks"])
 
     def _progress_of(self, snapshot: EngineSnapshot) -> tuple[list[RequestProgress], list[RequestProgress], int]:
@@ -279,10 +279,10 @@ class VllmEngine:
             for engine_id, num_computed, num_output, _ in entries:
                 tracked = self._tracked.get(worker_request_id(engine_id, self._tracked))
                 if tracked is not None:  # else answered or aborted here already
-                    into.append(progress_item(tracked.spec, num_computed, num_output))
+                    into.append(progress_item(tracked.spec, num_computed, num_output, self._adapters))
         for request_id, tracked in self._tracked.items():
             if not self.state.has_seen(request_id):
-                lists[1].append(progress_item(tracked.spec, 0, 0))
+                lists[1].append(progress_item(tracked.spec, 0, 0, self._adapters))
         return lists[0], lists[1], snapshot.used_blocks
 
     async def _consume(self, tracked: _Tracked, stream: AsyncIterator[Any]) -> None:

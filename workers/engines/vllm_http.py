@@ -246,9 +246,10 @@ class VllmHttpEngine:
         for tracked in self._tracked.values():
             spec, num_generated = tracked.spec, tracked.num_tokens_seen
             if num_generated:
-                running.append(progress_item(spec, spec.prompt_tokens + num_generated - 1, num_generated))
+                running.append(progress_item(spec, spec.prompt_tokens + num_generated - 1, num_generated,
+                                             self.lora_adapters))
             else:
-                waiting.append(progress_item(spec, 0, 0))
+                waiting.append(progress_item(spec, 0, 0, self.lora_adapters))
         return running, waiting, round(self.metrics.kv_cache_usage * self._config["num_gpu_blocks"])
 
     # --- requests ---------------------------------------------------------------------------
