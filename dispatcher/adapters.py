@@ -1,59 +1,55 @@
-"""What placing a LoRA request on an instance costs beyond its replica's forecast (pure).
+"""LoRA adapters in the dispatcher (pure): how a replica numbers an instance's adapters,
+and what ``block`` adds to a candidate's rank beyond its replica's forecast.
 
-The replicas (:class:`~dispatcher.replica.InstanceReplica`, the engine model's compiled
-twin) do not model adapters, so ``block`` adds two charges to a candidate's forecast for a
-request that names an adapter the candidate serves (docs/dispatcher.md, "Models and adapters"):
-
-* **load**: the adapter is not resident there (not in the beat's ``loaded_loras``, not in
-  use by its running or waiting requests, not named by a request this dispatcher placed
-  there since the beat): the instance's ``lora_load_ms``, which the engine pays, so it is
-  part of the predicted TTFT too; and in the rank at least :data:`ADAPTER_AFFINITY_S`: a
-  load also evicts an adapter that later requests will load again, a cost no forecast of
-  this request shows.
-* **slot wait**: the adapter is not in use there and the adapters in use already number
-  ``max_loras``: vLLM skips the request until one of those adapters has no request left
-  (:mod:`blockq.engine_model.lora`), which may take many steps. The wait is not simulated;
-  :data:`ADAPTER_SLOT_WAIT_S` ranks such a candidate behind one with a slot free, unless
-  that one is predicted this much slower. It orders candidates only; the TTFT a decision
-  predicts (and admission judges) leaves it out.
+The replicas simulate adapters (:mod:`blockq.engine_model.packed_lora`): each request's
+adapter reaches them in the beat (``RequestProgress.lora_adapter``), placements add theirs,
+and the resident adapters are restored from the beat's ``loaded_loras``; so a forecast
+already holds the load (``lora_load_ms``, where the adapter is not resident) and the wait
+for an adapter slot (vLLM's ``max_loras`` rule). What it cannot hold is what a load costs
+*later* requests: it evicts an adapter they will load again. So ``block`` ranks a candidate
+where the request's adapter is not in use and not resident :data:`ADAPTER_AFFINITY_S`
+later (docs/dispatcher.md, "Models and adapters"); the charge orders candidates only, the
+predicted TTFT that admission judges leaves it out.
 
 Requests naming no adapter, and instances without LoRA, are charged nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from blockq.wire.served_models import adapter_names, loaded_adapter_names
-from dispatcher.instance_view import InstanceView
 
-# The ranking's stand-in for waiting for an adapter slot (s): about a typical request's
-# decode time on a loaded 7B instance (250 tokens at 25-40 ms a step is 6-10 s; a slot
-# frees when the last request of some adapter ends, sooner than that). A chosen figure,
-# not a measured one: it only has to rank a full instance behind one with a slot, and
-# behind one with a free slot up to this much slower.
-ADAPTER_SLOT_WAIT_S = 2.0
-# The least a load costs in the rank (s): block takes a load only where the instances with
-# the adapter resident are predicted this much slower. Chosen on the LoRA experiment
-# (docs/results/lora.md): 30 ms (the load alone) left block at 0.57x Llumnix's loads.
+if TYPE_CHECKING:  # the replica (which InstanceView holds) numbers adapters with this module
+    from dispatcher.instance_view import InstanceView
+
+# What a load costs later requests, in the rank (s): block takes a load only where the
+# instances with the adapter in use or resident are predicted this much slower. A chosen
+# figure, measured against none: docs/results/lora.md ("The adapters in the replica").
 ADAPTER_AFFINITY_S = 0.5
 
 
-@dataclass(frozen=True, slots=True)
-class AdapterCharge:
-    """Seconds added to a candidate's forecast: ``load_s`` (in its TTFT) and ``wait_s``
-    (in its rank only); ``loads``: the adapter is not resident there."""
-
-    load_s: float = 0.0
-    wait_s: float = 0.0
-    loads: bool = False
-
-    @property
-    def rank_s(self) -> float:
-        return (max(self.load_s, ADAPTER_AFFINITY_S) if self.loads else 0.0) + self.wait_s
+def adapter_ids(engine_config: Mapping[str, Any]) -> dict[str, int]:
+    """An instance's adapters numbered from 1 in the order its engine config lists them
+    (0 is the base model). The caller must not change the dict: it is shared."""
+    return _numbered(adapter_names(engine_config))
 
 
-NO_CHARGE = AdapterCharge()
+@lru_cache(maxsize=256)
+def _numbered(names: tuple[str, ...]) -> dict[str, int]:
+    return {name: index for index, name in enumerate(names, start=1)}
+
+
+def resident_adapter_ids(engine_config: Mapping[str, Any], ids: Mapping[str, int], max_loras: int) -> list[int]:
+    """The resident adapters of the beat's ``loaded_loras`` as ``ids`` number them, least
+    recently used first: names the instance does not serve are left out, and of a longer
+    list than ``max_loras`` (no engine holds more) only the most recently used are kept."""
+    if max_loras <= 0 or not ids:
+        return []
+    resident = [ids[name] for name in loaded_adapter_names(engine_config) if name in ids]
+    return resident[-max_loras:]
 
 
 def active_adapters(view: InstanceView) -> set[str]:
@@ -66,16 +62,13 @@ def active_adapters(view: InstanceView) -> set[str]:
     return active
 
 
-def adapter_charge(view: InstanceView, model: str | None) -> AdapterCharge:
-    """What a request naming ``model`` costs on ``view``'s instance beyond its forecast."""
+def adapter_charge(view: InstanceView, model: str | None) -> float:
+    """Seconds added to the rank of ``view``'s instance for a request naming ``model``:
+    :data:`ADAPTER_AFFINITY_S` where ``model`` is an adapter it serves that is neither in
+    use there nor resident, else 0."""
     config = view.heartbeat.engine_config
-    max_loras = int(config.get("max_loras") or 0)
-    if model is None or not max_loras or model not in adapter_names(config):
-        return NO_CHARGE
-    active = active_adapters(view)
-    if model in active:
-        return NO_CHARGE
-    loads = model not in loaded_adapter_names(config)
-    load_s = float(config.get("lora_load_ms") or 0.0) / 1000 if loads else 0.0
-    wait_s = ADAPTER_SLOT_WAIT_S if len(active - {view.heartbeat.model}) >= max_loras else 0.0
-    return AdapterCharge(load_s, wait_s, loads)
+    if model is None or not config.get("max_loras") or model not in adapter_names(config):
+        return 0.0
+    if model in active_adapters(view) or model in loaded_adapter_names(config):
+        return 0.0
+    return ADAPTER_AFFINITY_S

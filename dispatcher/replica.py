@@ -19,6 +19,11 @@ the step timings in its beats, so the replica follows the real hardware.
 The replica's state is a :class:`PackedScheduler` (the engine model's compiled twin):
 advancing it, cloning it and simulating its future are what every decision pays for.
 Its :class:`Baseline` (the future without a new request) is kept per version.
+
+With LoRA, each row runs with its adapter (numbered per instance:
+:func:`dispatcher.adapters.adapter_ids`), and the resident adapters are restored from the
+beat's ``loaded_loras``: the replica runs vLLM's ``max_loras`` rule and charges each load
+where the engine would (docs/dispatcher.md, "Models and adapters").
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from blockq.lengths import (
 )
 from blockq.wire.beats import Heartbeat, progress_values
 from blockq.wire.protocol import Request
+from dispatcher.adapters import adapter_ids, resident_adapter_ids
 from dispatcher.prefix_index import PrefixIndex
 
 REFIT_EVERY_BEATS = 50
@@ -142,6 +148,7 @@ class InstanceReplica:
         self._samples: deque[StepSample] = deque(maxlen=MAX_REFIT_SAMPLES)
         self._num_beats = 0
         self._beat: Heartbeat | None = None
+        self._adapter_ids: dict[str, int] = {}  # the instance's adapters by name (LoRA only)
         # The instance's model time at the last sync or advance: a new request arrives
         # then, while the replica's clock may be ahead of it, at the end of the step
         # under way (the request waits for that end: part of its forecast TTFT).
@@ -163,7 +170,10 @@ class InstanceReplica:
 
     def observe_beat(self, beat: Heartbeat) -> None:
         """What the replica keeps from every beat, whether or not it is rebuilt from it:
-        the step timings (the latency refit) and the requests finished (beliefs dropped)."""
+        the step timings (the latency refit), the requests finished (beliefs dropped) and,
+        with LoRA, the instance's adapters (placements between rebuilds need their ids)."""
+        if self.config.max_loras:
+            self._adapter_ids = adapter_ids(beat.engine_config)
         self._observe_samples(beat)
         self._forget_finished(beat.finished_ids)
 
@@ -179,14 +189,19 @@ class InstanceReplica:
         # With prefix caching, running requests of one conversation hold its earlier turns'
         # blocks once: the engine's count tells the replica how many its rows share.
         shares_blocks = self.prefix_index is not None and not beat.truncated
+        ids, values, num_running, lora_ids = self._restored_columns(beat)
+        loaded_loras = resident_adapter_ids(beat.engine_config, self._adapter_ids, self.config.max_loras)
         scheduler = PackedScheduler.restored_columns(
-            self.config, self._simulated_latency_model(), state_at_s, *self._restored_columns(beat),
-            spare_rows=SPARE_ROWS, engine_used_blocks=beat.num_used_blocks if shares_blocks else None)
+            self.config, self._simulated_latency_model(), state_at_s, ids, values, num_running,
+            spare_rows=SPARE_ROWS, engine_used_blocks=beat.num_used_blocks if shares_blocks else None,
+            lora_ids=lora_ids, loaded_loras=loaded_loras)
         self.scheduler = scheduler
         self.advance(now_wall_s)
         rows = self._new_rows
+        assigned = list(assigned_not_seen)
         scheduler.add_requests([rows.get(request.id) or (request.id, *self.request_size(request))
-                                for request in assigned_not_seen])
+                                for request in assigned],
+                               [self.adapter_id(request.model) for request in assigned] if self.config.max_loras else None)
         self.version += 1
 
     def advance(self, now_wall_s: float) -> None:
@@ -246,7 +261,8 @@ class InstanceReplica:
         self.remember(request)
         size = self.request_size(request)
         what_if, self._what_if = self._what_if, None
-        self.scheduler.add_request(request.id, *size)
+        lora_id = self.adapter_id(request.model)
+        self.scheduler.add_request(request.id, *size, lora_id=lora_id)
         self.version += 1
         if what_if is None or what_if.version != self.version - 1 or what_if.request_id != request.id \
                 or what_if.size != size:
@@ -255,13 +271,18 @@ class InstanceReplica:
             start = self.scheduler  # the request is already appended to it
         else:
             start = what_if.start.clone()
-            start.add_request(request.id, *size, arrival_s=what_if.arrival_s)
+            start.add_request(request.id, *size, arrival_s=what_if.arrival_s, lora_id=lora_id)
         # From there, only the few steps up to the new request's admission remain to skip.
         self._baseline = (self.version, Baseline(start.queue_drain_snapshot(), what_if.finished_at_s))
 
     def keep_what_if(self, what_if: WhatIf) -> None:
         """Remember the latest what-if run (see :meth:`add_assignment`)."""
         self._what_if = what_if
+
+    def adapter_id(self, model: str | None) -> int:
+        """The packed adapter id of a request naming ``model`` here: 0 (none) for no model,
+        the base model, a name this instance does not serve, or an instance without LoRA."""
+        return self._adapter_ids.get(model, 0) if model is not None and self._adapter_ids else 0
 
     def request_size(self, request: Request, *, lengths: str | None = None) -> tuple[int, int]:
         """(prompt tokens, output tokens to simulate) for a new request on this instance,
@@ -290,17 +311,25 @@ class InstanceReplica:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _restored_columns(self, beat: Heartbeat) -> tuple[list[str], np.ndarray, int]:
+    def _restored_columns(self, beat: Heartbeat) -> tuple[list[str], np.ndarray, int, list[int] | None]:
         """The beat's requests as :meth:`PackedScheduler.restored_columns` restores them
-        (ids; prompt, output target, computed, generated; how many run), with output
-        targets from this replica's beliefs. Column by column: a rebuild restores ~70
-        requests, and a pass of Python per request was most of its cost."""
+        (ids; prompt, output target, computed, generated; how many run; adapter ids, None
+        where no entry names one or without LoRA), with output targets from this replica's
+        beliefs. Column by column: a rebuild restores ~70 requests, and a pass of Python per
+        request was most of its cost."""
         entries = [*progress_values(beat.running), *progress_values(beat.waiting)]
         if not entries:
-            return [], np.zeros((0, 4), np.int64), 0
-        if min(map(len, entries)) < 8:  # entries of older workers: no p10, no refinement
-            entries = [entry if len(entry) >= 8 else (*entry, None, None) for entry in entries]
-        ids, prompts, computed, generated, p50s, p90s, p10s, refined_at = zip(*entries, strict=True)
+            return [], np.zeros((0, 4), np.int64), 0, None
+        lengths = set(map(len, entries))
+        width = 9 if 9 in lengths else 8  # 9: some entry names its adapter
+        if lengths != {width}:  # entries of older workers (no p10, no refinement) or without adapters
+            entries = [entry if len(entry) == width else (*entry, *(None,) * (width - len(entry)))
+                       for entry in entries]
+        ids, prompts, computed, generated, p50s, p90s, p10s, refined_at, *adapters = zip(*entries, strict=True)
+        # A name the instance does not serve runs as the base model (id 0): a beat is also the
+        # instance's proof of life, and refusing all of it for one name would silence it.
+        lora_ids = [self._adapter_ids.get(name, 0) for name in adapters[0]] \
+            if adapters and self._adapter_ids else None
         max_model_len = self.config.max_model_len
         values = np.array([prompts, [0] * len(ids), computed, generated], np.int64).T
         prompt, computed_tokens, generated_tokens = values[:, 0], values[:, 2], values[:, 3]
@@ -316,9 +345,12 @@ class InstanceReplica:
         keep = generated_tokens < values[:, 1]
         num_running = int(keep[:len(beat.running)].sum())
         if keep.all():
-            return list(ids), values, num_running
-        return [request_id for request_id, kept in zip(ids, keep.tolist(), strict=True) if kept], values[keep], \
-            num_running
+            return list(ids), values, num_running, lora_ids
+        kept = keep.tolist()
+        if lora_ids is not None:
+            lora_ids = [lora_id for lora_id, is_kept in zip(lora_ids, kept, strict=True) if is_kept]
+        return [request_id for request_id, is_kept in zip(ids, kept, strict=True) if is_kept], values[keep], \
+            num_running, lora_ids
 
     def _targets(self, ids: Sequence[str], quantiles: tuple[Sequence[int | None], ...],
                  refined_at: Sequence[int | None], generated_tokens: np.ndarray) -> np.ndarray:

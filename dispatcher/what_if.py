@@ -35,9 +35,9 @@ class Forecast:
 
 
 def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, output_tokens: int, *,
-             keep: bool = True) -> Forecast:
-    """Simulate a request of this size added to ``replica`` now, until every request
-    there finishes.
+             keep: bool = True, model: str | None = None) -> Forecast:
+    """Simulate a request of this size (naming ``model``: with LoRA, its adapter's load and
+    slot are simulated) added to ``replica`` now, until every request there finishes.
 
     The run starts from the baseline's snapshot (exactly where it would diverge) or from
     the replica's state, whichever is later, with the request's arrival at the instance's
@@ -49,7 +49,7 @@ def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, outp
     now_s = replica.now_s
     start = _start(replica, baseline)
     ttft_s, e2e_s, added_delay_s, max_latency_s, num_preemptions, finished_at_s = start.what_if(
-        prompt_tokens, output_tokens, now_s, baseline.finished_at_s)
+        prompt_tokens, output_tokens, now_s, baseline.finished_at_s, replica.adapter_id(model))
     if keep:
         replica.keep_what_if(WhatIf(replica.version, request_id, (prompt_tokens, output_tokens), start, now_s,
                                     finished_at_s))
@@ -63,8 +63,10 @@ def _start(replica: InstanceReplica, baseline: Baseline) -> PackedScheduler:
     return baseline.snapshot if baseline.snapshot.now_s >= replica.scheduler.now_s else replica.scheduler
 
 
-def forecast_ttft(replica: InstanceReplica, prompt_tokens: int, output_tokens: int) -> float:
+def forecast_ttft(replica: InstanceReplica, prompt_tokens: int, output_tokens: int, *,
+                  model: str | None = None) -> float:
     """:func:`forecast`'s ``ttft_s`` alone, from the same starting point, by a run that
     stops at the request's first token: what ranking by the ``ttft`` objective needs of
     every candidate (only the chosen one needs the run to the end)."""
-    return _start(replica, replica.baseline()).first_token_if(prompt_tokens, output_tokens, replica.now_s)
+    return _start(replica, replica.baseline()).first_token_if(prompt_tokens, output_tokens, replica.now_s,
+                                                              replica.adapter_id(model))

@@ -10,7 +10,6 @@ import pytest
 from blockq.wire.beats import Heartbeat, decode_heartbeat
 from blockq.wire.protocol import Request, ValidationError, encode
 from blockq.wire.served_models import served_names, serves
-from dispatcher.adapters import ADAPTER_SLOT_WAIT_S, adapter_charge
 from dispatcher.core import MODEL_NOT_SERVED, DispatcherCore, Held, Placed, Rejected
 from dispatcher.policies import POLICIES
 from tests.factories import make_heartbeat, make_request
@@ -94,20 +93,6 @@ def test_re_placed_requests_keep_to_their_model() -> None:
     assert {o.request.assignment.instance_id for o in outcomes} == {"c"}
     outcomes = core.replace_unstarted("a", [make_request(predicted=20, model="llama-7b")], 0.1)
     assert isinstance(outcomes[0], Rejected)
-
-
-def test_adapter_charge_load_and_slot_wait() -> None:
-    core = DispatcherCore("block", seed=0)
-    core.apply_heartbeat(serving_beat("b", "m", ["x", "y", "z"], loaded=["x"], max_loras=2,
-                                      engine_stats={"running_lora_adapters": ["x"]}), 0.0)
-    view = core.view.instances["b"]
-    assert adapter_charge(view, "x").rank_s == 0.0          # in use
-    assert adapter_charge(view, None).rank_s == 0.0         # the base model
-    assert adapter_charge(view, "m").rank_s == 0.0
-    assert adapter_charge(view, "y").load_s == pytest.approx(0.04) and adapter_charge(view, "y").wait_s == 0.0
-    core.place([make_request(predicted=20, model="y")], 0.1)  # y now in use there: the slots are full
-    charge = adapter_charge(view, "z")
-    assert charge.load_s == pytest.approx(0.04) and charge.wait_s == ADAPTER_SLOT_WAIT_S
 
 
 def test_block_prefers_the_instance_with_the_adapter_in_use() -> None:

@@ -88,7 +88,7 @@ class Block:
 
     def forecast(self, request: Request, candidate: InstanceView, now_s: float) -> Forecast:
         replica = self.view.replica(candidate, now_s)
-        return forecast(replica, request.id, *replica.request_size(request))
+        return forecast(replica, request.id, *replica.request_size(request), model=request.model)
 
     def choose(self, request: Request, candidates: Sequence[InstanceView], now_s: float,
                bus_now_s: float | None = None) -> Decision:
@@ -117,17 +117,15 @@ class Block:
             upper_size = item.replica.request_size(request, lengths="upper")
             if upper_size == item.size:
                 break  # no spread above the median: nothing to guard
-            upper = forecast(item.replica, request.id, *upper_size, keep=False)
+            upper = forecast(item.replica, request.id, *upper_size, keep=False, model=request.model)
             if upper.num_preemptions <= item.forecast.num_preemptions:
                 chosen = item
                 break
-        chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size)
+        chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size, model=request.model)
         if as_is:  # the shortlist cut: it learns from what was simulated
             self._learn(ranked, now_s)
-        # An adapter's load: the engine pays it (the slot wait only ranks).
-        load_s = adapter_charge(chosen.candidate, request.model).load_s if request.model is not None else 0.0
-        return Decision(chosen.candidate.instance_id, predicted_ttft_ms=(chosen_forecast.ttft_s + load_s) * 1000,
-                        predicted_e2e_ms=(chosen_forecast.e2e_s + load_s) * 1000)
+        return Decision(chosen.candidate.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
+                        predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
 
     def _ordered(self, request: Request, ranked: list[_Ranked], lanes: frozenset[str], now_s: float,
                  bus_now_s: float | None) -> list[_Ranked]:
@@ -158,13 +156,13 @@ class Block:
                 sizes[max_model_len] = replica.request_size(request)
             size = sizes[max_model_len]
         if ttft_only:
-            candidate_forecast, ttft_s = None, forecast_ttft(replica, *size)
+            candidate_forecast, ttft_s = None, forecast_ttft(replica, *size, model=request.model)
             score = ttft_s
         else:
-            candidate_forecast = forecast(replica, request.id, *size)
+            candidate_forecast = forecast(replica, request.id, *size, model=request.model)
             ttft_s, score = candidate_forecast.ttft_s, candidate_forecast.score(self.objective)
-        if request.model is not None:  # a LoRA adapter's load and slot (dispatcher.adapters)
-            charge_s = adapter_charge(candidate, request.model).rank_s
+        if request.model is not None:  # a LoRA load's cost to later requests (dispatcher.adapters)
+            charge_s = adapter_charge(candidate, request.model)
             ttft_s, score = ttft_s + charge_s, score + charge_s
         # Scores equal to 1e-9 s are ties, broken at random.
         key = (round(score, 9), self.rng.random())
