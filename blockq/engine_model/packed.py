@@ -23,11 +23,10 @@ from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.packed_lora import num_lora_slots
 from blockq.engine_model.request import EngineRequest
+from blockq.engine_model.restore_checks import RestoredRow, check_restored_rows
 from blockq.engine_model.scheduler import EngineScheduler
 
 MAX_STEPS = 10_000_000
-# A restored request: (request id, prompt tokens, output target, computed, generated).
-RestoredRow = tuple[str, int, int, int, int]
 
 
 class PackedScheduler:
@@ -144,7 +143,7 @@ class PackedScheduler:
             config.num_gpu_blocks, -1 if engine_used_blocks is None else engine_used_blocks)
         if num_admitted < 0:
             # Raises, naming the first bad row as the reference does.
-            _check_rows(list(zip(ids, *values.T.tolist(), strict=True)), config.max_model_len)
+            check_restored_rows(list(zip(ids, *values.T.tolist(), strict=True)), config.max_model_len)
             raise ValueError("restored rows: refused by the kernel's checks")  # the two disagree: a bug
         packed.request_ids.extend(ids)
         if lora_ids is not None:
@@ -401,37 +400,6 @@ def _latency_arrays(latency_model: StepLatencyModel, lora_load_ms: float) -> tup
                              latency_model.prefill_pair_s, latency_model.step_overhead_s,
                              latency_model.tail_slope_s, lora_load_ms])
     return coefficients, np.array(latency_model.linear_table_s)
-
-
-
-def _check_rows(rows: Sequence[RestoredRow], max_model_len: int) -> None:
-    """:func:`_checked_target` row by row: raises for the first row that fails."""
-    seen: set[str] = set()
-    for request_id, prompt_tokens, target_tokens, _, generated_tokens in rows:
-        _checked_target(request_id, prompt_tokens, target_tokens, generated_tokens, max_model_len, seen)
-        seen.add(request_id)
-
-def _checked_target(request_id: str, prompt_tokens: int, target_tokens: int, generated_tokens: int,
-                    max_model_len: int, seen: set[str]) -> int:
-    """A restored row's output target clipped to ``max_model_len``, after the checks
-    (and with the messages) of :meth:`EngineScheduler.add_request`."""
-    if not request_id:
-        raise ValueError("request_id: must be a non-empty string")
-    if prompt_tokens < 1:
-        raise ValueError(f"prompt_tokens: must be >= 1 (got {prompt_tokens})")
-    if prompt_tokens >= max_model_len:
-        raise ValueError(f"prompt_tokens: must be < max_model_len ({max_model_len}) (got {prompt_tokens})")
-    if target_tokens < 1:
-        raise ValueError(f"output_target_tokens: must be >= 1 (got {target_tokens})")
-    if generated_tokens < 0:
-        raise ValueError("num_generated_tokens: must be >= 0")
-    if request_id in seen:
-        raise ValueError(f"request_id: {request_id!r} is already in this engine")
-    target_tokens = min(target_tokens, max_model_len - prompt_tokens)
-    if generated_tokens >= target_tokens:
-        raise ValueError(f"num_generated_tokens: must be < output_target_tokens "
-                         f"({target_tokens} after clipping to max_model_len)")
-    return target_tokens
 
 
 def _nan_if_none(value: float | None) -> float:
