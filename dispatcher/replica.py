@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -172,8 +172,7 @@ class InstanceReplica:
         """What the replica keeps from every beat, whether or not it is rebuilt from it:
         the step timings (the latency refit), the requests finished (beliefs dropped) and,
         with LoRA, the instance's adapters (placements between rebuilds need their ids)."""
-        if self.config.max_loras:
-            self._adapter_ids = adapter_ids(beat.engine_config)
+        self._follow_adapters(beat)
         self._observe_samples(beat)
         self._forget_finished(beat.finished_ids)
 
@@ -181,6 +180,7 @@ class InstanceReplica:
         """Rebuild from ``beat`` (already observed: :meth:`observe_beat`), advance to now,
         add the assignments the beat lacks."""
         self._beat = beat
+        self._follow_adapters(beat)
         measured_s = min(MAX_DELIVERY_S, (beat.delivery_p90_ms or 0.0) / 1000)
         self.delivery_s = max(self.min_delivery_s, measured_s)
         # The state holds at a step boundary (the end of the step under way when the
@@ -310,6 +310,17 @@ class InstanceReplica:
         return baseline
 
     # --- helpers ------------------------------------------------------------------------
+
+    def _follow_adapters(self, beat: Heartbeat) -> None:
+        """Take the instance's adapters, ``max_loras`` and load time from ``beat`` (a
+        ``vllm-http`` worker learns its server's ``max_loras`` after its first beats; the
+        beat's engine config was checked when it changed: ClusterView._check)."""
+        engine_config = beat.engine_config
+        max_loras = int(engine_config.get("max_loras") or 0)
+        lora_load_ms = float(engine_config.get("lora_load_ms") or 0.0)
+        if (max_loras, lora_load_ms) != (self.config.max_loras, self.config.lora_load_ms):
+            self.config = replace(self.config, max_loras=max_loras, lora_load_ms=lora_load_ms)
+        self._adapter_ids = adapter_ids(engine_config) if max_loras else {}
 
     def _restored_columns(self, beat: Heartbeat) -> tuple[list[str], np.ndarray, int, list[int] | None]:
         """The beat's requests as :meth:`PackedScheduler.restored_columns` restores them

@@ -112,3 +112,13 @@ def test_adapter_numbering_and_resident_lists_from_an_engine_config() -> None:
     assert resident_adapter_ids(config, ids, 4) == [2, 1]
     assert resident_adapter_ids(config, ids, 1) == [1]
     assert resident_adapter_ids(config, ids, 0) == []
+
+
+def test_the_replica_follows_max_loras_as_the_beats_change_it() -> None:
+    """A vllm-http worker learns its server's max_loras after its first beats."""
+    core = DispatcherCore("block", seed=0)
+    core.apply_heartbeat(lora_beat("a", running=(entry("r1", "x"),), loaded=["x"], max_loras=2), 0.0)
+    assert forecast_ttft(replica_of(core, "a"), 200, 20, model="y") < 0.2  # a second slot is free
+    core.apply_heartbeat(lora_beat("a", running=(entry("r1", "x"),), loaded=["x"], max_loras=1, seq=2), 0.0)
+    replica = replica_of(core, "a")
+    assert replica.config.max_loras == 1 and forecast_ttft(replica, 200, 20, model="y") > 5.0
