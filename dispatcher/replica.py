@@ -190,7 +190,8 @@ class InstanceReplica:
         # blocks once: the engine's count tells the replica how many its rows share.
         shares_blocks = self.prefix_index is not None and not beat.truncated
         ids, values, num_running, lora_ids = self._restored_columns(beat)
-        loaded_loras = resident_adapter_ids(beat.engine_config, self._adapter_ids, self.config.max_loras)
+        loaded_loras = resident_adapter_ids(beat.engine_config, self._adapter_ids, self.config.max_loras) \
+            if self._adapter_ids else ()
         scheduler = PackedScheduler.restored_columns(
             self.config, self._simulated_latency_model(), state_at_s, ids, values, num_running,
             spare_rows=SPARE_ROWS, engine_used_blocks=beat.num_used_blocks if shares_blocks else None,
@@ -316,6 +317,8 @@ class InstanceReplica:
         ``vllm-http`` worker learns its server's ``max_loras`` after its first beats; the
         beat's engine config was checked when it changed: ClusterView._check)."""
         engine_config = beat.engine_config
+        if not self.config.max_loras and not engine_config.get("max_loras"):
+            return  # no LoRA (most fleets: one look per beat)
         max_loras = int(engine_config.get("max_loras") or 0)
         lora_load_ms = float(engine_config.get("lora_load_ms") or 0.0)
         if (max_loras, lora_load_ms) != (self.config.max_loras, self.config.lora_load_ms):

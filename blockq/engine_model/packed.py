@@ -53,12 +53,15 @@ class PackedScheduler:
         self.times = np.full((capacity, layout.NUM_TIME_FIELDS), np.nan)
         self.running = np.zeros(capacity, np.int64)
         self.waiting = np.zeros(capacity, np.int64)
-        loaded_loras = list(loaded_loras) if config.max_loras else []
-        num_slots = max(lora_slots, num_lora_slots(config.max_loras, len(loaded_loras), []))
-        self.counters = np.zeros(layout.NUM_COUNTERS + 2 * num_slots, np.int64)
+        if config.max_loras:
+            loaded_loras = list(loaded_loras)
+            num_slots = max(lora_slots, num_lora_slots(config.max_loras, len(loaded_loras), []))
+            self.counters = np.zeros(layout.NUM_COUNTERS + 2 * num_slots, np.int64)
+            self.counters[layout.NUM_LOADED_LORAS] = len(loaded_loras)
+            self.counters[layout.LOADED_LORAS:layout.LOADED_LORAS + len(loaded_loras)] = loaded_loras
+        else:  # (a replica rebuild makes one of these per beat: nothing more than before LoRA)
+            self.counters = np.zeros(layout.NUM_COUNTERS, np.int64)
         self.counters[layout.NUM_FREE_BLOCKS] = config.num_gpu_blocks
-        self.counters[layout.NUM_LOADED_LORAS] = len(loaded_loras)
-        self.counters[layout.LOADED_LORAS:layout.LOADED_LORAS + len(loaded_loras)] = loaded_loras
         self.clock = np.array([float(now_s)])
         self.request_ids: list[str] = []
         self._config_array = np.array([config.block_size, config.max_num_seqs,

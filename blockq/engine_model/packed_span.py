@@ -38,28 +38,56 @@ from blockq.engine_model.packed_step import ceil_div, step_seconds
 
 
 @njit(cache=True)
-def admits_next(requests: np.ndarray, running: np.ndarray, waiting: np.ndarray, counters: np.ndarray,
-                config: np.ndarray, num_active: int, num_free_blocks: int, num_new_blocks: int,
-                remaining: np.ndarray, step_index: int, stop_if_all_skipped: bool) -> bool:
-    """Whether the next step's phase 2 would admit a row, after decode step ``step_index``
-    (0: none yet) of a span whose ``num_active`` rows still run (all decoding), given the
-    blocks their decodes take in that step: budget and a slot left, and the first waiting
-    row not skipped for its adapter (without LoRA: the head) fitting beside the watermark.
-    ``stop_if_all_skipped``: also True when admission would pass over every waiting row (a
-    row appended at the tail would be looked at: the queue-drain snapshot stops there)."""
-    budget = config[MAX_NUM_BATCHED_TOKENS] - num_active
-    if counters[NUM_WAITING] == 0 or budget <= 0 or num_active >= config[MAX_NUM_SEQS]:
+def admits_next(requests: np.ndarray, waiting: np.ndarray, counters: np.ndarray, config: np.ndarray,
+                num_running: int, num_free_blocks: int, num_new_blocks: int, head: int = -1) -> bool:
+    """Whether the next step's phase 2 would admit the waiting row ``head`` (-1: the
+    waiting head), given the running rows (all decoding) and the blocks their decodes take
+    in that step: budget and a slot left, and the row's whole request fitting beside the
+    watermark."""
+    budget = config[MAX_NUM_BATCHED_TOKENS] - num_running
+    if counters[NUM_WAITING] == 0 or budget <= 0 or num_running >= config[MAX_NUM_SEQS]:
         return False
-    if config[MAX_LORAS] > 0:
-        head = admission_candidate(requests, running, counters[NUM_RUNNING], waiting, counters, config,
-                                   remaining, step_index)
-        if head < 0:
-            return stop_if_all_skipped  # every waiting row is skipped: nothing is admitted
-    else:
+    if head < 0:
         head = waiting[counters[WAITING_HEAD]]
     num_needed = ceil_div(requests[head, PROMPT] + requests[head, GENERATED], config[BLOCK_SIZE])
-    watermark_blocks = config[WATERMARK_BLOCKS] if num_active > 0 else 0
+    watermark_blocks = config[WATERMARK_BLOCKS] if num_running > 0 else 0
     return num_free_blocks - num_new_blocks - num_needed >= watermark_blocks
+
+
+@njit(cache=True)
+def _lora_span_blocked(requests: np.ndarray, running: np.ndarray, waiting: np.ndarray, counters: np.ndarray,
+                       config: np.ndarray, num_running: int, num_free_blocks: int, num_new_blocks: int,
+                       remaining: np.ndarray, stop_if_all_skipped: bool) -> bool:
+    """With LoRA, whether a span cannot start: the first step loads an adapter, or admits
+    the first waiting row the ``max_loras`` rule does not skip, or (``stop_if_all_skipped``)
+    passes over every waiting row (a row appended at the tail would be looked at: the
+    queue-drain snapshot stops there)."""
+    if not all_resident(requests, running, num_running, counters):
+        return True
+    if counters[NUM_WAITING] == 0:
+        return False
+    head = admission_candidate(requests, running, num_running, waiting, counters, config, remaining, 0)
+    if head < 0:
+        budget = config[MAX_NUM_BATCHED_TOKENS] - num_running
+        return stop_if_all_skipped and budget > 0 and num_running < config[MAX_NUM_SEQS]
+    return admits_next(requests, waiting, counters, config, num_running, num_free_blocks, num_new_blocks, head)
+
+
+@njit(cache=True)
+def _touch_as_stepped(requests: np.ndarray, running: np.ndarray, num_running: int, counters: np.ndarray,
+                      config: np.ndarray, remaining: np.ndarray, finish_order: np.ndarray, num_finished: int,
+                      num_steps: int) -> None:
+    """The resident adapters as the span's steps leave them: each step uses its batch's
+    adapters, and the batch changes only where rows finish, so touching each finishing
+    step's batch in order, then the last step's, is touching every step's (once more
+    changes nothing). Done after the span: a call in its loop slowed spans without LoRA."""
+    last_touched = 0
+    for j in range(num_finished):
+        finish_step = remaining[finish_order[j]]
+        if finish_step != last_touched:
+            touch_active(requests, running, num_running, counters, config, remaining, finish_step)
+            last_touched = finish_step
+    touch_active(requests, running, num_running, counters, config, remaining, num_steps)
 
 
 @njit(cache=True)
@@ -77,7 +105,7 @@ def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, wa
     ``first_r = blocks * block_size - computed + 1`` (in ``1 .. block_size``), then every
     ``block_size`` steps, so ``blocks_by_phase[(j - 1) % block_size]`` counts the blocks
     step ``j`` takes. Step ``j`` reads ``sum(computed) + num_rows * j`` KV tokens over the
-    rows still running. ``stop_if_all_skipped``: see :func:`admits_next`."""
+    rows still running. ``stop_if_all_skipped``: see :func:`_lora_span_blocked`."""
     num_running = counters[NUM_RUNNING]
     if num_running == 0 or max_num_steps <= 0:
         return 0
@@ -97,13 +125,14 @@ def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, wa
         blocks_by_phase[first_block_step - 1] += 1
         num_kv_tokens += computed
     with_lora = config[MAX_LORAS] > 0
-    if with_lora and not all_resident(requests, running, num_running, counters):
-        return 0  # the first step loads an adapter
     num_free_blocks = counters[NUM_FREE_BLOCKS]
     if blocks_by_phase[0] > num_free_blocks:
         return 0  # the first step preempts
-    if admits_next(requests, running, waiting, counters, config, num_running, num_free_blocks,
-                   blocks_by_phase[0], remaining, 0, stop_if_all_skipped):
+    if with_lora:
+        if _lora_span_blocked(requests, running, waiting, counters, config, num_running, num_free_blocks,
+                              blocks_by_phase[0], remaining, stop_if_all_skipped):
+            return 0  # the first step loads, admits, or passes the whole queue
+    elif admits_next(requests, waiting, counters, config, num_running, num_free_blocks, blocks_by_phase[0]):
         return 0  # the first step admits
     finish_order = np.argsort(remaining[:num_running])
     num_finished = 0
@@ -120,8 +149,6 @@ def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, wa
                                      num_kv_tokens + num_active * num_steps, 0)
         if remaining[finish_order[num_finished]] != num_steps:
             continue
-        if with_lora:  # the batch changes after this step: the LRU as this step leaves it
-            touch_active(requests, running, num_running, counters, config, remaining, num_steps)
         stopped = False
         while num_finished < num_running and remaining[finish_order[num_finished]] == num_steps:
             k = finish_order[num_finished]
@@ -138,13 +165,17 @@ def decode_span(requests: np.ndarray, times: np.ndarray, running: np.ndarray, wa
             stopped = stopped or row == stop_row
         if stopped or num_active == 0:
             break
-        if admits_next(requests, running, waiting, counters, config, num_active, num_free_blocks,
-                       blocks_by_phase[num_steps % block_size], remaining, num_steps, stop_if_all_skipped):
+        # With LoRA a finish may free an adapter slot for a skipped row: the span ends
+        # here while rows wait, and the next step is stepped (no LoRA call in this loop).
+        if (with_lora and counters[NUM_WAITING] > 0) or admits_next(
+                requests, waiting, counters, config, num_active, num_free_blocks,
+                blocks_by_phase[num_steps % block_size]):
             break
     if num_steps == 0:
         return 0
     if with_lora:
-        touch_active(requests, running, num_running, counters, config, remaining, num_steps)
+        _touch_as_stepped(requests, running, num_running, counters, config, remaining, finish_order,
+                          num_finished, num_steps)
     clock[0] = now_s
     counters[NUM_FREE_BLOCKS] = num_free_blocks
     num_kept = 0
