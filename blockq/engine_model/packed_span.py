@@ -6,9 +6,10 @@ blocks it takes follow from a few running sums instead of a visit to every row (
 :meth:`EngineScheduler.step` sums them, so the results equal stepping exactly.
 
 With LoRA a span starts only where every running row's adapter is resident (a step that
-loads is left to :func:`.packed_step.step`: its duration is not a decode step's); the
-admission check looks past the waiting rows the ``max_loras`` rule would skip; and the
-resident adapters end in the order stepping leaves them.
+loads is left to :func:`.packed_step.step`: its duration is not a decode step's) and the
+first waiting row the ``max_loras`` rule does not skip cannot be admitted; it ends at the
+first finish while rows wait (a finish may free an adapter slot); and the resident adapters
+end in the order stepping leaves them.
 """
 
 from __future__ import annotations
