@@ -89,14 +89,13 @@ class Baseline:
 @dataclass(frozen=True)
 class WhatIf:
     """A what-if run made on a replica at ``version``: a request of ``size`` (prompt,
-    output tokens) appended at ``arrival_s`` to ``start`` (the baseline's snapshot or the
-    replica's state), and when every row finished."""
+    output tokens) appended to the baseline's snapshot or the replica's state; the run's
+    queue-drain snapshot (:meth:`PackedScheduler.what_if`), and when every row finished."""
 
     version: int
     request_id: str
     size: tuple[int, int]
-    start: PackedScheduler
-    arrival_s: float
+    drain_snapshot: PackedScheduler
     finished_at_s: np.ndarray
 
 
@@ -240,9 +239,8 @@ class InstanceReplica:
         """Record a request just placed here, so the next decision sees it.
 
         When the last what-if run here was for this very request, that run is the new
-        baseline: the same steps from the same state. Its start, with the request
-        appended, is a valid snapshot: the request is looked at only after everything
-        that was queued ahead of it."""
+        baseline: the same steps from the same state, and its queue-drain point the new
+        snapshot (the request is looked at only after everything queued ahead of it)."""
         self.remember(request)
         size = self.request_size(request)
         what_if, self._what_if = self._what_if, None
@@ -251,13 +249,7 @@ class InstanceReplica:
         if what_if is None or what_if.version != self.version - 1 or what_if.request_id != request.id \
                 or what_if.size != size:
             return
-        if what_if.start is self.scheduler:
-            start = self.scheduler  # the request is already appended to it
-        else:
-            start = what_if.start.clone()
-            start.add_request(request.id, *size, arrival_s=what_if.arrival_s)
-        # From there, only the few steps up to the new request's admission remain to skip.
-        self._baseline = (self.version, Baseline(start.queue_drain_snapshot(), what_if.finished_at_s))
+        self._baseline = (self.version, Baseline(what_if.drain_snapshot, what_if.finished_at_s))
 
     def keep_what_if(self, what_if: WhatIf) -> None:
         """Remember the latest what-if run (see :meth:`add_assignment`)."""

@@ -48,10 +48,10 @@ def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, outp
     baseline = replica.baseline()
     now_s = replica.now_s
     start = _start(replica, baseline)
-    ttft_s, e2e_s, added_delay_s, max_latency_s, num_preemptions, finished_at_s = start.what_if(
-        prompt_tokens, output_tokens, now_s, baseline.finished_at_s)
+    ttft_s, e2e_s, added_delay_s, max_latency_s, num_preemptions, finished_at_s, drain_snapshot = start.what_if(
+        prompt_tokens, output_tokens, now_s, baseline.finished_at_s, request_id)
     if keep:
-        replica.keep_what_if(WhatIf(replica.version, request_id, (prompt_tokens, output_tokens), start, now_s,
+        replica.keep_what_if(WhatIf(replica.version, request_id, (prompt_tokens, output_tokens), drain_snapshot,
                                     finished_at_s))
     return Forecast(ttft_s=ttft_s, e2e_s=e2e_s, added_delay_s=added_delay_s,
                     max_latency_s=max_latency_s, num_preemptions=num_preemptions)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from blockq.engine_model import EngineConfig, EngineRequest, EngineScheduler, StepLatencyModel
+from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.packed import PackedScheduler
 from tests.factories import (
     A30,
@@ -229,11 +230,27 @@ def packed_what_if(start: PackedScheduler, size: tuple[int, int], arrival_s: flo
                    baseline_s: list[float]) -> WhatIf:
     """:meth:`PackedScheduler.what_if` from ``start``, as a :class:`WhatIf`."""
     rows_before = start.clone()
-    *outputs, num_preempted, finished_s = start.what_if(*size, arrival_s, np.array(baseline_s))
+    *outputs, num_preempted, finished_s, drain_snapshot = start.what_if(*size, arrival_s, np.array(baseline_s))
     # the run that stops at the first token gives the same TTFT
     assert start.first_token_if(*size, arrival_s) == outputs[0]
     assert np.array_equal(start.times, rows_before.times, equal_nan=True)  # the state is not changed
+    # the run's queue-drain point is what appending the request then advancing there gives
+    rows_before.add_request(WHAT_IF_ID, *size, arrival_s=arrival_s)
+    assert_same_state(drain_snapshot, rows_before.queue_drain_snapshot())
     return WhatIf(*outputs, num_preempted, finished_s.tolist())
+
+
+def assert_same_state(state: PackedScheduler, expected: PackedScheduler) -> None:
+    """Row for row, queue for queue (the arrays' spare capacity and ring layout aside)."""
+    num_rows = expected.num_rows
+    assert state.request_ids == expected.request_ids
+    assert np.array_equal(state.requests[:num_rows], expected.requests[:num_rows])
+    assert np.array_equal(state.times[:num_rows], expected.times[:num_rows], equal_nan=True)
+    assert state.running_rows() == expected.running_rows() and state.waiting_rows() == expected.waiting_rows()
+    for field in (layout.NUM_ROWS, layout.NUM_RUNNING, layout.NUM_WAITING, layout.NUM_FREE_BLOCKS,
+                  layout.NUM_PREEMPTIONS):
+        assert state.counters[field] == expected.counters[field]
+    assert state.now_s == expected.now_s
 
 
 def test_what_if_equals_stepping_the_reference_with_the_request() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from blockq.wire.beats import RequestProgress
@@ -12,7 +13,8 @@ from dispatcher.cluster_view import AS_IS_S, ClusterView
 from dispatcher.core import DispatcherCore, Placed
 from dispatcher.policies import make_policy
 from dispatcher.policies.predictive import lane_ids
-from dispatcher.policies.shortlist import Shortlist
+from dispatcher.policies.shortlist import AGE_WEIGHT, Shortlist
+from dispatcher.policies.shortlist_kernel import shortlist_positions
 from dispatcher.what_if import forecast_ttft
 from tests.factories import make_heartbeat, make_request
 
@@ -157,3 +159,36 @@ def test_a_decision_places_by_a_replica_rebuilt_from_the_latest_beat() -> None:
         assert isinstance(outcome, Placed)
         chosen = core.view.instances[outcome.request.assignment.instance_id]
         assert core.view.is_current(chosen)
+
+
+def _numpy_cut(starts: np.ndarray, learnt: np.ndarray, outside_lanes: np.ndarray, jitter: np.ndarray,
+               now_s: float, num_best: int, num_explored: int, with_lanes: bool) -> list[int]:
+    """The shortlist's cut written with numpy calls."""
+
+    def smallest(keys: np.ndarray, eligible: np.ndarray, count: int) -> set[int]:
+        order = np.lexsort((jitter, keys))  # by key, equal keys by jitter
+        return set(order[eligible[order]][:count].tolist())
+
+    best = np.maximum(starts, now_s) + (now_s - learnt) * AGE_WEIGHT + jitter
+    best[np.isnan(best)] = np.inf
+    everyone = np.ones(len(starts), bool)
+    chosen = smallest(best, everyone, num_best)
+    chosen |= smallest(learnt + jitter, np.array([p not in chosen for p in range(len(starts))]), num_explored)
+    if with_lanes:
+        chosen |= smallest(best, outside_lanes, num_best)
+    return sorted(chosen, key=lambda p: (best[p], jitter[p]))
+
+
+@pytest.mark.parametrize("num_candidates", [3, 20, 1024])
+def test_the_compiled_cut_takes_what_the_numpy_one_took(num_candidates: int) -> None:
+    rng = np.random.default_rng(num_candidates)
+    for trial in range(200):
+        starts = rng.uniform(0, 2, num_candidates)
+        starts[rng.random(num_candidates) < 0.1 * (trial % 3)] = np.nan  # never simulated ...
+        learnt = np.where(np.isnan(starts), -1e9, rng.uniform(0, 1, num_candidates))  # ... learnt at NEVER_S
+        outside_lanes = rng.random(num_candidates) > 1 / 6
+        jitter = rng.random(num_candidates) * 1e-6
+        num_best, num_explored = int(rng.integers(1, 16)), int(rng.integers(1, 3))
+        args = (starts, learnt, outside_lanes, jitter, 1.0, num_best, num_explored, trial % 2 == 0)
+        got = shortlist_positions(starts, learnt, outside_lanes, jitter, 1.0, AGE_WEIGHT, *args[5:])
+        assert got.tolist() == _numpy_cut(*args)

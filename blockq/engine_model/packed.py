@@ -281,17 +281,29 @@ class PackedScheduler:
         return other
 
     def what_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float,
-                baseline_finished_at_s: np.ndarray) -> tuple[float, float, float, float, int, np.ndarray]:
+                baseline_finished_at_s: np.ndarray, request_id: str = "what-if",
+                ) -> tuple[float, float, float, float, int, np.ndarray, PackedScheduler]:
         """:func:`.packed_kernel.what_if` on this state (unchanged): a request of this size
-        appended and everything simulated to the end, in one compiled call.
+        appended and everything simulated to the end, in one compiled call; last, the run's
+        queue-drain snapshot (what :meth:`add_request` of ``request_id`` then
+        :meth:`queue_drain_snapshot` give, without simulating its steps again).
         ``baseline_finished_at_s`` must cover every current row."""
         if len(baseline_finished_at_s) < self.num_rows:
             raise ValueError("baseline_finished_at_s: must have a time for every row")
         output_tokens = min(output_tokens, self.config.max_model_len - prompt_tokens)
-        return kernel.what_if(
+        *outputs, drained = kernel.what_if(
             self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
             self._config_array, self._latency_array, self._linear_table_s,
             prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s)
+        snapshot = PackedScheduler.__new__(PackedScheduler)
+        snapshot.config, snapshot.latency_model = self.config, self.latency_model
+        snapshot.requests, snapshot.times, snapshot.running, snapshot.waiting, snapshot.counters, \
+            snapshot.clock = drained
+        snapshot.request_ids = [*self.request_ids, request_id]
+        snapshot._config_array = self._config_array
+        snapshot._latency_array = self._latency_array
+        snapshot._linear_table_s = self._linear_table_s
+        return (*outputs, snapshot)
 
     def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float) -> float:
         """:meth:`what_if`'s TTFT alone, from a run that stops at the new request's first

@@ -218,17 +218,27 @@ def first_token_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
 def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
             counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
             linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int, arrival_s: float,
-            baseline_finished_at_s: np.ndarray) -> tuple[float, float, float, float, int, np.ndarray]:
+            baseline_finished_at_s: np.ndarray) -> tuple[float, float, float, float, int, np.ndarray,
+                                                         tuple[np.ndarray, ...]]:
     """Append a request to a copy of the state and simulate until everything finishes;
     the state itself is not changed. ``output_tokens`` must already fit ``max_model_len``.
 
     Returns, in seconds after ``arrival_s``: the request's first token and finish, the
     sum over the rows already there of how much later each finishes than in
     ``baseline_finished_at_s`` (by row), the latest finish; the preemptions the run
-    made; and every row's finish time (the new request's row last)."""
+    made; every row's finish time (the new request's row last); and the run's state at
+    its queue-drain point (:func:`advance_to_queue_drain`: requests, times, running,
+    waiting, counters, clock), where the run passes anyway: placed, the request makes it
+    the replica's next baseline snapshot, which is then not simulated a second time."""
     num_rows = counters[NUM_ROWS]
     new_requests, new_times, new_running, new_waiting, new_counters, new_clock = _with_request(
         requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s)
+    # The same steps as simulating from the start: advance_to_queue_drain stops at a step
+    # boundary and leaves the state as stepping reached it.
+    advance_to_queue_drain(new_requests, new_times, new_running, new_waiting, new_counters, new_clock,
+                           config, latency, linear_table_s)
+    drained = (new_requests.copy(), new_times.copy(), new_running.copy(), new_waiting.copy(),
+               new_counters.copy(), new_clock.copy())
     simulate(new_requests, new_times, new_running, new_waiting, new_counters, new_clock, config,
              latency, linear_table_s, np.inf, -1, 1 << 62)
     added_delay_s = 0.0
@@ -246,7 +256,7 @@ def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waitin
     if np.isnan(first_token_s):
         first_token_s = finished_s
     return (first_token_s - arrival_s, finished_s - arrival_s, added_delay_s, latest_s - arrival_s,
-            new_counters[NUM_PREEMPTIONS] - counters[NUM_PREEMPTIONS], new_times[:, FINISHED].copy())
+            new_counters[NUM_PREEMPTIONS] - counters[NUM_PREEMPTIONS], new_times[:, FINISHED].copy(), drained)
 
 
 @njit(cache=True)

@@ -10,8 +10,8 @@ simulations themselves: every candidate simulated for a request, the chosen one 
 gets ``now`` plus its simulated TTFT less the request's own prefill (what the wait there
 was). Most of the shortlist is the best known: the earliest start times (one that has
 passed counts as now), ties going to the instances simulated most recently, whose replicas
-are likeliest to be current. The rest, an eighth (at least one), explores: the instances
-never simulated, then those simulated longest ago, so that a new instance is tried soon
+are likeliest to be current. The rest, an eighth (at least one), explores: of the other
+instances, those never simulated, then those simulated longest ago, so that a new instance is tried soon
 and a belief that may be out of date is checked again (the simulation corrects it).
 Exploring is what costs: an instance not simulated for a while is older than its latest
 beat, and its replica is rebuilt first. Ties are broken at random. It is a ranking, not a
@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dispatcher.instance_view import InstanceView
+from dispatcher.policies.shortlist_kernel import shortlist_positions
 
 # What the dispatcher, the simulation and dispatch-bench use unless told. 16, not the 8
 # that was fastest at 1,024 instances (p99 2.17 against 2.26 ms, docs/results/decisions-at-scale.md):
@@ -73,7 +74,7 @@ class Shortlist:
         self._position: dict[str, int] = {}
         self._starts = np.empty(0)
         self._learnt = np.empty(0)
-        self._in_lane = np.empty(0, dtype=bool)
+        self._outside_lanes = np.empty(0, dtype=bool)
 
     def cuts(self, num_candidates: int) -> bool:
         """Whether a decision among ``num_candidates`` simulates only some of them."""
@@ -89,18 +90,10 @@ class Shortlist:
         if self._jitter is None:
             self._jitter = np.random.default_rng(self.rng.getrandbits(64))
         jitter = self._jitter.random(len(candidates)) * TIE_JITTER_S
-        # Untried instances have no start time (NaN): never "known".
-        best = np.maximum(self._starts, now_s) + (now_s - self._learnt) * AGE_WEIGHT + jitter
-        best[np.isnan(best)] = np.inf
-        oldest = self._learnt + jitter
         num_explored = max(1, int(self.size * EXPLORE_SHARE))
-        explored = _smallest(oldest, num_explored)
-        chosen = np.union1d(_smallest(best, self.size - num_explored), explored)
-        if lanes:
-            outside = np.flatnonzero(~self._in_lane)
-            chosen = np.union1d(chosen, outside[_smallest(best[outside], self.size - num_explored)])
-        chosen = chosen[np.argsort(best[chosen], kind="stable")]
-        return [candidates[i] for i in chosen]
+        positions = shortlist_positions(self._starts, self._learnt, self._outside_lanes, jitter, now_s, AGE_WEIGHT,
+                                        self.size - num_explored, num_explored, bool(lanes))
+        return [candidates[i] for i in positions]
 
     def learn(self, instance_id: str, start_at_s: float, now_s: float) -> None:
         """From a simulation at ``now_s``: a new request could start its prefill on
@@ -122,14 +115,8 @@ class Shortlist:
         self._starts = np.array([starts.get(instance_id, np.nan) for instance_id in ids])
         # Untried instances were learnt from at NEVER_S: explored first.
         self._learnt = np.array([self.learnt_at_s.get(instance_id, NEVER_S) for instance_id in ids])
-        self._in_lane = np.array([instance_id in lanes for instance_id in ids], dtype=bool)
+        self._outside_lanes = np.array([instance_id not in lanes for instance_id in ids], dtype=bool)
         if len(starts) > 2 * len(ids):  # instances gone long ago: forget them
             self.start_at_s = {instance_id: starts[instance_id] for instance_id in ids if instance_id in starts}
             self.learnt_at_s = {instance_id: self.learnt_at_s[instance_id] for instance_id in self.start_at_s}
 
-
-def _smallest(keys: np.ndarray, count: int) -> np.ndarray:
-    """Positions of the ``count`` smallest ``keys`` (all of them when there are fewer)."""
-    if count >= len(keys):
-        return np.arange(len(keys))
-    return np.argpartition(keys, count - 1)[:count]
