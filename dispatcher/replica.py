@@ -126,8 +126,8 @@ class InstanceReplica:
         # Steps simulated this many times as long as the latency model says: set by the
         # forecast check's ``correct`` fallback when answers are slower than forecast.
         self.latency_factor = 1.0
-        # (published model, factor, the model simulated, its step of a full prefill budget alone)
-        self._scaled: tuple[StepLatencyModel, float, StepLatencyModel, float] | None = None
+        # (published model, factor, the model simulated)
+        self._scaled: tuple[StepLatencyModel, float, StepLatencyModel] | None = None
         # The instance's believed prefix cache: a new request is simulated without the
         # prompt tokens it would find cached there (None: no prefix caching).
         self.prefix_index = prefix_index
@@ -208,11 +208,7 @@ class InstanceReplica:
     def prefill_alone_s(self, prompt_tokens: int) -> float:
         """Model seconds to prefill ``prompt_tokens`` on this instance if nothing else ran:
         what a TTFT here is beyond the wait for the others (a ranking's estimate)."""
-        model = self._simulated_latency_model()
-        assert self._scaled is not None  # made just above, with a full budget's step
-        num_full, rest = divmod(prompt_tokens, max(1, self.config.max_num_batched_tokens))
-        seconds = num_full * self._scaled[3] if num_full else 0.0
-        return seconds + (model.step_seconds(rest, 0, 0) if rest else 0.0)
+        return self.scheduler.prefill_alone_s(prompt_tokens)
 
     def scale_latency(self, ratio: float) -> None:
         """Simulate steps ``ratio`` times as long as now, from the next rebuild on."""
@@ -222,9 +218,8 @@ class InstanceReplica:
         # Scaled once per (model, factor), not at every beat: a model builds a dense table.
         cached = self._scaled
         if cached is None or cached[0] is not self.latency_model or cached[1] != self.latency_factor:
-            model = scaled_latency_model(self.latency_model, self.latency_factor)
-            budget = max(1, self.config.max_num_batched_tokens)
-            cached = self._scaled = (self.latency_model, self.latency_factor, model, model.step_seconds(budget, 0, 0))
+            cached = self._scaled = (self.latency_model, self.latency_factor,
+                                     scaled_latency_model(self.latency_model, self.latency_factor))
         return cached[2]
 
     def remember(self, request: Request) -> None:

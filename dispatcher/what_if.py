@@ -63,8 +63,9 @@ def _start(replica: InstanceReplica, baseline: Baseline) -> PackedScheduler:
     return baseline.snapshot if baseline.snapshot.now_s >= replica.scheduler.now_s else replica.scheduler
 
 
-def forecast_ttft(replica: InstanceReplica, prompt_tokens: int, output_tokens: int) -> float:
+def forecast_ttft(replica: InstanceReplica, prompt_tokens: int, output_tokens: int) -> tuple[float, float]:
     """:func:`forecast`'s ``ttft_s`` alone, from the same starting point, by a run that
     stops at the request's first token: what ranking by the ``ttft`` objective needs of
-    every candidate (only the chosen one needs the run to the end)."""
+    every candidate (only the chosen one needs the run to the end); and the request's
+    prefill alone there (:meth:`InstanceReplica.prefill_alone_s`)."""
     return _start(replica, replica.baseline()).first_token_if(prompt_tokens, output_tokens, replica.now_s)

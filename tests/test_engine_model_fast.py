@@ -232,7 +232,14 @@ def packed_what_if(start: PackedScheduler, size: tuple[int, int], arrival_s: flo
     rows_before = start.clone()
     *outputs, num_preempted, finished_s, drain_snapshot = start.what_if(*size, arrival_s, np.array(baseline_s))
     # the run that stops at the first token gives the same TTFT
-    assert start.first_token_if(*size, arrival_s) == outputs[0]
+    ttft_s, prefill_s = start.first_token_if(*size, arrival_s)
+    assert ttft_s == outputs[0]
+    # and the prefill alone, as the latency model prices one chunk of the budget after another
+    budget = start.config.max_num_batched_tokens
+    num_full, rest = divmod(size[0], budget)
+    model = start.latency_model
+    assert prefill_s == (num_full * model.step_seconds(budget, 0, 0) if num_full else 0.0) + (
+        model.step_seconds(rest, 0, 0) if rest else 0.0)
     assert np.array_equal(start.times, rows_before.times, equal_nan=True)  # the state is not changed
     # the run's queue-drain point is what appending the request then advancing there gives
     rows_before.add_request(WHAT_IF_ID, *size, arrival_s=arrival_s)

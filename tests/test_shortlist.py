@@ -80,7 +80,7 @@ def test_a_shortlisted_decision_is_the_best_of_those_it_simulated() -> None:
     request = make_request("x " * 50, max_tokens=800, predicted=100, submitted_at_s=NOW_S)
     simulated = policy.shortlist.select(candidates, lane_ids([c.instance_id for c in candidates]), NOW_S)
     assert 5 <= len(simulated) <= 10  # the best 5, and the best 5 outside the lanes
-    ttft_s = {c.instance_id: forecast_ttft(view.replica(c, NOW_S), *view.replica(c, NOW_S).request_size(request))
+    ttft_s = {c.instance_id: forecast_ttft(view.replica(c, NOW_S), *view.replica(c, NOW_S).request_size(request))[0]
               for c in candidates}
     decision = policy.choose(request, candidates, NOW_S)
     assert decision.instance_id in policy.shortlist.start_at_s
@@ -109,8 +109,12 @@ def test_select_takes_the_best_known_and_explores_the_untried_then_the_oldest() 
     shortlist.learn("i1", NOW_S - 3, NOW_S - 0.5)
     shortlist.learn("i2", NOW_S - 4, NOW_S - 0.9)
     assert shortlist.select(candidates, frozenset(), NOW_S)[0].instance_id == "i1"
-    # With lanes, as many again outside them.
-    assert len(shortlist.select(candidates, frozenset({"i1"}), NOW_S)) in (3, 4)
+    # A request kept off the lanes (i1 is one): the best known outside them (i2), the best
+    # lanes (i1), one explored.
+    chosen = [c.instance_id for c in shortlist.select(candidates, frozenset({"i1"}), NOW_S, off_lanes=True)]
+    assert chosen[:2] == ["i1", "i2"] and len(chosen) == 3  # best known first
+    # Any other request: the lanes count as any instance.
+    assert [c.instance_id for c in shortlist.select(candidates, frozenset({"i1"}), NOW_S)][0] == "i1"
     assert not Shortlist(6, random.Random(0)).cuts(6) and Shortlist(5, random.Random(0)).cuts(6)
     assert not Shortlist(0, random.Random(0)).cuts(1000)
 
@@ -162,7 +166,7 @@ def test_a_decision_places_by_a_replica_rebuilt_from_the_latest_beat() -> None:
 
 
 def _numpy_cut(starts: np.ndarray, learnt: np.ndarray, outside_lanes: np.ndarray, jitter: np.ndarray,
-               now_s: float, num_best: int, num_explored: int, with_lanes: bool) -> list[int]:
+               now_s: float, num_best: int, num_explored: int, num_lanes: int) -> list[int]:
     """The shortlist's cut written with numpy calls."""
 
     def smallest(keys: np.ndarray, eligible: np.ndarray, count: int) -> set[int]:
@@ -171,11 +175,11 @@ def _numpy_cut(starts: np.ndarray, learnt: np.ndarray, outside_lanes: np.ndarray
 
     best = np.maximum(starts, now_s) + (now_s - learnt) * AGE_WEIGHT + jitter
     best[np.isnan(best)] = np.inf
-    everyone = np.ones(len(starts), bool)
-    chosen = smallest(best, everyone, num_best)
+    if num_lanes >= 0:  # kept off the lanes: the best outside them, the few best lanes
+        chosen = smallest(best, outside_lanes, num_best) | smallest(best, ~outside_lanes, num_lanes)
+    else:
+        chosen = smallest(best, np.ones(len(starts), bool), num_best)
     chosen |= smallest(learnt + jitter, np.array([p not in chosen for p in range(len(starts))]), num_explored)
-    if with_lanes:
-        chosen |= smallest(best, outside_lanes, num_best)
     return sorted(chosen, key=lambda p: (best[p], jitter[p]))
 
 
@@ -189,6 +193,6 @@ def test_the_compiled_cut_takes_what_the_numpy_one_took(num_candidates: int) -> 
         outside_lanes = rng.random(num_candidates) > 1 / 6
         jitter = rng.random(num_candidates) * 1e-6
         num_best, num_explored = int(rng.integers(1, 16)), int(rng.integers(1, 3))
-        args = (starts, learnt, outside_lanes, jitter, 1.0, num_best, num_explored, trial % 2 == 0)
+        args = (starts, learnt, outside_lanes, jitter, 1.0, num_best, num_explored, trial % 3 - 1)
         got = shortlist_positions(starts, learnt, outside_lanes, jitter, 1.0, AGE_WEIGHT, *args[5:])
         assert got.tolist() == _numpy_cut(*args)

@@ -20,6 +20,7 @@ from blockq.engine_model import packed_kernel as kernel
 from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
+from blockq.engine_model.packed_step import prefill_alone_s
 from blockq.engine_model.request import EngineRequest
 from blockq.engine_model.scheduler import EngineScheduler
 
@@ -305,14 +306,21 @@ class PackedScheduler:
         snapshot._linear_table_s = self._linear_table_s
         return (*outputs, snapshot)
 
-    def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float) -> float:
+    def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float) -> tuple[float, float]:
         """:meth:`what_if`'s TTFT alone, from a run that stops at the new request's first
-        token (:func:`.packed_kernel.first_token_if`): the same value, at a fraction of the cost."""
+        token (:func:`.packed_kernel.first_token_if`): the same value, at a fraction of the
+        cost; and the request's :meth:`prefill_alone_s`."""
         output_tokens = min(output_tokens, self.config.max_model_len - prompt_tokens)
-        return float(kernel.first_token_if(
+        return kernel.first_token_if(
             self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
             self._config_array, self._latency_array, self._linear_table_s,
-            prompt_tokens, output_tokens, arrival_s))
+            prompt_tokens, output_tokens, arrival_s)
+
+    def prefill_alone_s(self, prompt_tokens: int) -> float:
+        """Model seconds to prefill ``prompt_tokens`` here with nothing else running
+        (:func:`.packed_step.prefill_alone_s`)."""
+        return prefill_alone_s(self._latency_array, self._linear_table_s,
+                               max(1, self.config.max_num_batched_tokens), prompt_tokens)
 
     # --- helpers --------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from blockq.engine_model.packed_layout import (
     WAITING_HEAD,
 )
 from blockq.engine_model.packed_span import decode_span
-from blockq.engine_model.packed_step import step
+from blockq.engine_model.packed_step import prefill_alone_s, step
 
 
 @njit(cache=True)
@@ -199,10 +199,11 @@ def _with_request(requests: np.ndarray, times: np.ndarray, running: np.ndarray, 
 def first_token_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
                    counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
                    linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int,
-                   arrival_s: float) -> float:
+                   arrival_s: float) -> tuple[float, float]:
     """:func:`what_if`'s first output alone: the run stops at the new request's first token
     (or its finish), which is usually a few steps in, not at the end of everything. Every
-    step up to there is the full run's, so the value is the same."""
+    step up to there is the full run's, so the value is the same. With it, the request's
+    prefill alone (:func:`.packed_step.prefill_alone_s`): what its TTFT is beyond its wait."""
     num_rows = counters[NUM_ROWS]
     new_requests, new_times, new_running, new_waiting, new_counters, new_clock = _with_request(
         requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s)
@@ -211,7 +212,8 @@ def first_token_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
     first_token_s = new_times[num_rows, FIRST_TOKEN]
     if np.isnan(first_token_s):
         first_token_s = new_times[num_rows, FINISHED]
-    return first_token_s - arrival_s
+    return first_token_s - arrival_s, prefill_alone_s(latency, linear_table_s, max(1, config[MAX_NUM_BATCHED_TOKENS]),
+                                                      prompt_tokens)
 
 
 @njit(cache=True)

@@ -19,9 +19,10 @@ bound: the chosen instance is the best of the shortlist, which is not always the
 the fleet. docs/dispatcher.md ("Decisions and heartbeats at fleet scale") and
 docs/results/decisions-at-scale.md give what that costs in capacity.
 
-On a fleet with long-prompt lanes the best known are taken twice, of all candidates and
-of those outside the lanes, so that the lane rule
-(:meth:`dispatcher.policies.predictive.Block._lanes_last`) still has both kinds to choose from.
+On a fleet with long-prompt lanes, a request the lane rule keeps off them
+(:meth:`dispatcher.policies.predictive.Block._lanes_last`) has its best known taken among
+the other instances, and of the lanes only the :data:`LANE_CANDIDATES` best known: what the
+rule needs of them is the best TTFT there, and a lane wins only when it is far better.
 
 Pure: no clock, no I/O; the random tie-breaks come from the policy's seeded generator,
 drawn only once a shortlist is first cut (a fleet no larger than ``size`` decides exactly
@@ -53,6 +54,8 @@ EXPLORE_SHARE = 1 / 8
 NEVER_S = -1e9
 # Exact ties are broken by up to this much random jitter, in seconds.
 TIE_JITTER_S = 1e-6
+# The lanes simulated for a request kept off them (the module docstring).
+LANE_CANDIDATES = 2
 
 
 class Shortlist:
@@ -81,9 +84,9 @@ class Shortlist:
         return 0 < self.size < num_candidates
 
     def select(self, candidates: Sequence[InstanceView], lanes: frozenset[str],
-               now_s: float) -> list[InstanceView]:
+               now_s: float, *, off_lanes: bool = False) -> list[InstanceView]:
         """The candidates to simulate at ``now_s`` (every one when the shortlist does not
-        cut), best believed first."""
+        cut), best believed first; ``off_lanes``: for a request kept off ``lanes``."""
         if not self.cuts(len(candidates)):
             return list(candidates)
         self._align(candidates, lanes)
@@ -92,7 +95,8 @@ class Shortlist:
         jitter = self._jitter.random(len(candidates)) * TIE_JITTER_S
         num_explored = max(1, int(self.size * EXPLORE_SHARE))
         positions = shortlist_positions(self._starts, self._learnt, self._outside_lanes, jitter, now_s, AGE_WEIGHT,
-                                        self.size - num_explored, num_explored, bool(lanes))
+                                        self.size - num_explored, num_explored,
+                                        LANE_CANDIDATES if lanes and off_lanes else -1)
         return [candidates[i] for i in positions]
 
     def learn(self, instance_id: str, start_at_s: float, now_s: float) -> None:

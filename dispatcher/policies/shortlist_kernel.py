@@ -51,12 +51,13 @@ def _smallest_into(keys: np.ndarray, ties: np.ndarray, count: int, eligible: np.
 @njit(cache=True)
 def shortlist_positions(starts: np.ndarray, learnt: np.ndarray, outside_lanes: np.ndarray, jitter: np.ndarray,
                         now_s: float, age_weight: float, num_best: int, num_explored: int,
-                        with_lanes: bool) -> np.ndarray:
+                        num_lanes: int) -> np.ndarray:
     """Positions of the candidates to simulate, best believed first: the ``num_best``
     earliest believed start times (a past one counts as ``now_s``; NaN: never simulated,
-    after every known one), the ``num_explored`` of the others learnt from longest ago and, ``with_lanes``,
-    the ``num_best`` earliest among ``outside_lanes``. Equal keys (the never simulated
-    ones') are ordered by ``jitter``: at random."""
+    after every known one), then the ``num_explored`` of the others learnt from longest
+    ago. ``num_lanes`` >= 0 (a request kept off the lanes): the ``num_best`` earliest are
+    taken among ``outside_lanes`` and only the ``num_lanes`` earliest among the lanes.
+    Equal keys (the never simulated ones') are ordered by ``jitter``: at random."""
     num = starts.shape[0]
     best = np.empty(num)
     oldest = np.empty(num)
@@ -68,10 +69,12 @@ def shortlist_positions(starts: np.ndarray, learnt: np.ndarray, outside_lanes: n
             best[position] = max(start_s, now_s) + (now_s - learnt[position]) * age_weight + jitter[position]
         oldest[position] = learnt[position] + jitter[position]
     chosen = np.zeros(num, np.bool_)
-    _smallest_into(best, jitter, num_best, outside_lanes, False, chosen)
-    _smallest_into(oldest, jitter, num_explored, ~chosen, True, chosen)
-    if with_lanes:
+    if num_lanes >= 0:
         _smallest_into(best, jitter, num_best, outside_lanes, True, chosen)
+        _smallest_into(best, jitter, num_lanes, ~outside_lanes, True, chosen)
+    else:
+        _smallest_into(best, jitter, num_best, outside_lanes, False, chosen)
+    _smallest_into(oldest, jitter, num_explored, ~chosen, True, chosen)
     positions = np.flatnonzero(chosen)
     # Best first (an insertion sort: a few dozen positions at most).
     for i in range(1, positions.shape[0]):
@@ -86,4 +89,4 @@ def shortlist_positions(starts: np.ndarray, learnt: np.ndarray, outside_lanes: n
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the cut before the first decision needs it."""
     keys = np.zeros(2)
-    shortlist_positions(keys, keys, np.ones(2, np.bool_), keys, 0.0, 0.0, 1, 1, True)
+    shortlist_positions(keys, keys, np.ones(2, np.bool_), keys, 0.0, 0.0, 1, 1, 1)
