@@ -97,17 +97,17 @@ def test_select_takes_the_best_known_and_explores_the_untried_then_the_oldest() 
     candidates = view.live_instances()
     shortlist = Shortlist(2, random.Random(0))
     for k in range(5):
-        shortlist.learn(f"i{k}", NOW_S + 10 + k, NOW_S - 1)
-    shortlist.learn("i3", NOW_S + 1, NOW_S)  # the best known: ready 1 s from now
+        shortlist.learn({f"i{k}": NOW_S + 10 + k}, NOW_S - 1)
+    shortlist.learn({"i3": NOW_S + 1}, NOW_S)  # the best known: ready 1 s from now
     # One best known (i3), one explored: i5 was never simulated.
     assert [c.instance_id for c in shortlist.select(candidates, frozenset(), NOW_S)] == ["i3", "i5"]
-    shortlist.learn("i5", NOW_S + 20, NOW_S)
+    shortlist.learn({"i5": NOW_S + 20}, NOW_S)
     # Explored next: the oldest belief (i0, learnt first among ties of age, by jitter: any of i0-i2, i4).
     explored = {c.instance_id for c in shortlist.select(candidates, frozenset(), NOW_S)} - {"i3"}
     assert len(explored) == 1 and explored <= {"i0", "i1", "i2", "i4"}
     # A start that has passed counts as now; of two ready now, the one learnt last is the best known.
-    shortlist.learn("i1", NOW_S - 3, NOW_S - 0.5)
-    shortlist.learn("i2", NOW_S - 4, NOW_S - 0.9)
+    shortlist.learn({"i1": NOW_S - 3}, NOW_S - 0.5)
+    shortlist.learn({"i2": NOW_S - 4}, NOW_S - 0.9)
     assert shortlist.select(candidates, frozenset(), NOW_S)[0].instance_id == "i1"
     # A request kept off the lanes (i1 is one): the best known outside them (i2), the best
     # lanes (i1), one explored.

@@ -172,16 +172,16 @@ class Block:
         prefill: after the wait this request was simulated to have there (its TTFT less its
         own prefill). The one it goes to is no exception: the next decision simulates it
         again, with this request, if it still ranks among the best."""
-        learn = self.shortlist.learn
-        for item in ranked:
-            learn(item.candidate.instance_id, now_s + item.wait_s * item.replica.time_scale, now_s)
+        self.shortlist.learn({item.candidate.instance_id: now_s + item.wait_s * item.replica.time_scale
+                              for item in ranked}, now_s)
 
     def _kept_off_lanes(self, request: Request, candidate: InstanceView, now_s: float,
                         sizes: dict[int, tuple[int, int]]) -> bool:
         """Before simulating: whether the lane rule will keep ``request`` off the lanes
         (:func:`_off_lanes`), judged on ``candidate``'s replica as it is (the shortlist
         then takes few lanes)."""
-        replica = self.view.replica(candidate, now_s, keep_current=False, as_is=True)
+        # A request's size needs a replica's config and beliefs, not its state: not advanced.
+        replica = candidate.replica or self.view.replica(candidate, now_s, keep_current=False, as_is=True)
         return _off_lanes(replica, _size(request, replica, sizes))
 
     def _lane_ids(self, candidates: Sequence[InstanceView]) -> frozenset[str]:

@@ -99,15 +99,18 @@ class Shortlist:
                                         LANE_CANDIDATES if lanes and off_lanes else -1)
         return [candidates[i] for i in positions]
 
-    def learn(self, instance_id: str, start_at_s: float, now_s: float) -> None:
-        """From a simulation at ``now_s``: a new request could start its prefill on
-        ``instance_id`` at ``start_at_s`` (the caller's clock)."""
-        self.start_at_s[instance_id] = start_at_s
-        self.learnt_at_s[instance_id] = now_s
-        position = self._position.get(instance_id)
-        if position is not None:
-            self._starts[position] = start_at_s
-            self._learnt[position] = now_s
+    def learn(self, start_at_s: dict[str, float], now_s: float) -> None:
+        """From the simulations of a decision at ``now_s``: a new request could start its
+        prefill on each instance of ``start_at_s`` at the time given (the caller's clock)."""
+        self.start_at_s.update(start_at_s)
+        self.learnt_at_s.update(dict.fromkeys(start_at_s, now_s))
+        position = self._position
+        rows = [(position[instance_id], start_s) for instance_id, start_s in start_at_s.items()
+                if instance_id in position]
+        if rows:
+            positions, starts = zip(*rows, strict=True)
+            self._starts[list(positions)] = starts
+            self._learnt[list(positions)] = now_s
 
     def _align(self, candidates: Sequence[InstanceView], lanes: frozenset[str]) -> None:
         if candidates is self._candidates and lanes is self._lanes:
