@@ -13,7 +13,7 @@ from dispatcher.cluster_view import AS_IS_S, ClusterView
 from dispatcher.core import DispatcherCore, Placed
 from dispatcher.policies import make_policy
 from dispatcher.policies.predictive import lane_ids
-from dispatcher.policies.shortlist import AGE_WEIGHT, Shortlist
+from dispatcher.policies.shortlist import AGE_WEIGHT, LANE_CANDIDATES, Shortlist
 from dispatcher.policies.shortlist_kernel import shortlist_positions
 from dispatcher.what_if import forecast_ttft
 from tests.factories import make_heartbeat, make_request
@@ -196,3 +196,25 @@ def test_the_compiled_cut_takes_what_the_numpy_one_took(num_candidates: int) -> 
         args = (starts, learnt, outside_lanes, jitter, 1.0, num_best, num_explored, trial % 3 - 1)
         got = shortlist_positions(starts, learnt, outside_lanes, jitter, 1.0, AGE_WEIGHT, *args[5:])
         assert got.tolist() == _numpy_cut(*args)
+
+
+@pytest.mark.parametrize(("prompt_words", "lanes_simulated"), [(50, LANE_CANDIDATES), (3000, 4)])
+def test_a_request_kept_off_the_lanes_simulates_only_the_best_lanes(prompt_words: int, lanes_simulated: int) -> None:
+    # 30 instances, 5 lanes believed best: an ordinary request simulates the best known
+    # others and only the two best lanes; a long prompt (the lanes' purpose) the best of all.
+    view = ClusterView(keep_replicas=True)
+    for beat in fleet(30, seed=4):
+        view.apply_heartbeat(beat, NOW_S)
+    policy = make_policy("block", view, seed=1, num_simulated_candidates=5)
+    candidates = view.live_instances()
+    lanes = lane_ids([c.instance_id for c in candidates])
+    policy.shortlist.learn(dict.fromkeys(lanes, NOW_S), NOW_S)
+    # The others were learnt earlier: the one explored is one of them.
+    policy.shortlist.learn({c.instance_id: NOW_S + 5 for c in candidates if c.instance_id not in lanes}, NOW_S - 1)
+    request = make_request("x " * prompt_words, max_tokens=800, predicted=100, submitted_at_s=NOW_S)
+    before = dict(policy.shortlist.learnt_at_s)
+    policy.choose(request, candidates, NOW_S + 0.01)
+    simulated = {i for i, at_s in policy.shortlist.learnt_at_s.items() if at_s != before.get(i)}
+    assert len(simulated & lanes) == lanes_simulated
+    # 4 best known (of all, or of the others and the best lanes besides) and 1 explored
+    assert len(simulated) == (5 if lanes_simulated == 4 else 4 + LANE_CANDIDATES + 1)
