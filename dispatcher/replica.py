@@ -149,15 +149,6 @@ class InstanceReplica:
         self._baseline: tuple[int, Baseline] | None = None
         self._what_if: WhatIf | None = None
 
-    # --- model time ---------------------------------------------------------------------
-
-    def model_time_s(self, now_wall_s: float) -> float:
-        """The instance's model time at wall time ``now_wall_s``, extrapolated from its beat."""
-        beat = self._beat
-        if beat is None:
-            return self.scheduler.now_s
-        return beat.engine_time_s + max(0.0, now_wall_s - beat.sent_at_s) / (beat.time_scale or 1.0)
-
     # --- updates ------------------------------------------------------------------------
 
     def observe_beat(self, beat: Heartbeat) -> None:
@@ -192,12 +183,17 @@ class InstanceReplica:
         """Advance to ``now_wall_s`` along the replica's own trajectory (no forecast
         changes), and through every step that starts before a request placed now reaches
         the engine (:attr:`delivery_s`)."""
-        self.now_s = self.model_time_s(now_wall_s)
-        until_s = self.model_time_s(now_wall_s + self.delivery_s)
+        beat = self._beat
+        if beat is None:
+            self.now_s = until_s = self.scheduler.now_s
+        else:  # the instance's model time now and at the delivery, extrapolated from its beat
+            scale = beat.time_scale or 1.0
+            self.now_s = beat.engine_time_s + max(0.0, now_wall_s - beat.sent_at_s) / scale
+            until_s = beat.engine_time_s + max(0.0, now_wall_s + self.delivery_s - beat.sent_at_s) / scale
         # The scheduler's clock is where its next step starts (or where it went idle): at
         # or past ``until_s`` there is nothing to run, and a decision asks every candidate
         # it simulates between two of its steps, so most calls skip the compiled one.
-        if until_s > self.scheduler.now_s:
+        if until_s > self.scheduler.clock[0]:
             self.scheduler.simulate(until_s=until_s)
 
     @property
