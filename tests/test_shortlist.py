@@ -218,3 +218,19 @@ def test_a_request_kept_off_the_lanes_simulates_only_the_best_lanes(prompt_words
     assert len(simulated & lanes) == lanes_simulated
     # 4 best known (of all, or of the others and the best lanes besides) and 1 explored
     assert len(simulated) == (5 if lanes_simulated == 4 else 4 + LANE_CANDIDATES + 1)
+
+
+def test_a_forecast_without_the_added_delay_leaves_out_only_that() -> None:
+    from dispatcher.what_if import forecast
+
+    view = ClusterView(keep_replicas=True)
+    view.apply_heartbeat(loaded_beat("i0", random.Random(5), num_waiting=6), NOW_S)
+    full = forecast(view.replica(view.instances["i0"], NOW_S), "a", 300, 200, keep=False)
+    view = ClusterView(keep_replicas=True)  # a replica just rebuilt: no baseline future yet
+    view.apply_heartbeat(loaded_beat("i0", random.Random(5), num_waiting=6), NOW_S)
+    replica = view.replica(view.instances["i0"], NOW_S)
+    brief = forecast(replica, "a", 300, 200, keep=False, added_delay=False)
+    assert full.added_delay_s > 0 and np.isnan(brief.added_delay_s)
+    assert (brief.ttft_s, brief.e2e_s, brief.max_latency_s, brief.num_preemptions) == (
+        full.ttft_s, full.e2e_s, full.max_latency_s, full.num_preemptions)
+    assert replica.baseline()._finished_at_s is None  # the baseline's future was not run

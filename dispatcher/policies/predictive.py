@@ -123,7 +123,8 @@ class Block:
             if upper.num_preemptions <= item.forecast.num_preemptions:
                 chosen = item
                 break
-        chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size)
+        chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size,
+                                                      added_delay=self.objective == "e2e")
         if as_is:  # the shortlist cut: it learns from what was simulated
             self._learn(ranked, now_s)
         # An adapter's load: the engine pays it (the slot wait only ranks).
