@@ -47,6 +47,34 @@ def test_fleet_spec_errors_name_the_field(spec: str, message: str) -> None:
         parse_fleet(spec)
 
 
+def test_a_split_interleaves_the_instances_and_keeps_the_fleet_order() -> None:
+    fleet = parse_fleet("6:llama2-7b-a30,4:llama2-7b-a100,2:llama2-7b-h100-tp2")
+    halves = fleet.split(2)
+    assert [str(half) for half in halves] == ["3:llama2-7b-a30,2:llama2-7b-a100,1:llama2-7b-h100-tp2"] * 2
+    assert fleet.split(1) == (fleet,)
+    # Uneven: 12 instances in 5 cells of 3, 3, 2, 2, 2; cell K's instance J is fleet instance K + 5 J.
+    cells = fleet.split(5)
+    assert [cell.num_instances for cell in cells] == [3, 3, 2, 2, 2]
+    assert [str(cell) for cell in cells] == [
+        "2:llama2-7b-a30,1:llama2-7b-h100-tp2", "1:llama2-7b-a30,1:llama2-7b-a100,1:llama2-7b-h100-tp2",
+        "1:llama2-7b-a30,1:llama2-7b-a100", "1:llama2-7b-a30,1:llama2-7b-a100", "1:llama2-7b-a30,1:llama2-7b-a100"]
+    for index, cell in enumerate(cells):
+        assert cell.instance_presets == fleet.instance_presets[index::5]
+    # Two groups of one preset stay two groups; a group absent from a cell is left out.
+    first, second = parse_fleet("2:llama2-7b-a30,2:llama2-7b-a30,1:llama2-7b-a100").split(2)
+    assert first.groups == (FleetGroup(1, "llama2-7b-a30"), FleetGroup(1, "llama2-7b-a30"),
+                            FleetGroup(1, "llama2-7b-a100"))
+    assert second.groups == (FleetGroup(1, "llama2-7b-a30"), FleetGroup(1, "llama2-7b-a30"))
+    assert sum(cell.num_instances for cell in fleet.split(12)) == 12
+
+
+@pytest.mark.parametrize("num_cells", [0, -1, 13])
+def test_a_split_that_leaves_a_cell_empty_is_refused(num_cells: int) -> None:
+    fleet = parse_fleet("6:llama2-7b-a30,4:llama2-7b-a100,2:llama2-7b-h100-tp2")
+    with pytest.raises(ValueError, match=rf"^cells: must be between 1 and the fleet's 12 instances.*\(got {num_cells}\)"):
+        fleet.split(num_cells)
+
+
 @pytest.mark.parametrize("gpu", ["a100", "h100"])
 def test_tensor_parallel_presets_pool_the_gpus_memory(gpu: str) -> None:
     one, two, four = (get_preset(f"llama2-7b-{gpu}{suffix}") for suffix in ("", "-tp2", "-tp4"))
