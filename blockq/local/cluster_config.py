@@ -198,7 +198,8 @@ class ClusterConfig:
         processes of their own, at most ``instances_per_worker_process`` a process."""
         per_process = self.instances_per_worker_process
         if self.fleet is not None:
-            cells = [[(g.num_instances, g.preset) for g in fleet.groups] for fleet in parse_fleet(self.fleet).split(self.cells)]
+            cells = [[(group.num_instances, group.preset) for group in cell_fleet.groups]
+                     for cell_fleet in parse_fleet(self.fleet).split(self.cells)]
         else:
             cells = [[(self.instances // self.cells, self.preset)]] * self.cells
         ranges, first = [], 0
