@@ -75,7 +75,8 @@ def test_a_split_interleaves_the_instances_and_keeps_the_fleet_order() -> None:
 @pytest.mark.parametrize("num_cells", [0, -1, 13])
 def test_a_split_that_leaves_a_cell_empty_is_refused(num_cells: int) -> None:
     fleet = parse_fleet("6:llama2-7b-a30,4:llama2-7b-a100,2:llama2-7b-h100-tp2")
-    with pytest.raises(ValueError, match=rf"^cells: must be between 1 and the fleet's 12 instances.*\(got {num_cells}\)"):
+    message = rf"^cells: must be between 1 and the fleet's 12 instances.*\(got {num_cells}\)"
+    with pytest.raises(ValueError, match=message):
         fleet.split(num_cells)
 
 
@@ -164,8 +165,10 @@ def test_a_local_cluster_of_cells_starts_each_cells_share_of_the_fleet() -> None
     assert config.worker_ranges() == [(0, 2, "llama2-7b-a30"), (2, 1, "llama2-7b-a100"), (3, 1, "llama2-7b-h100-tp2"),
                                       (4, 1, "llama2-7b-a30"), (5, 2, "llama2-7b-a100")]
     workers = [(name, argv) for name, argv in config.child_argvs() if name.startswith("workers-")]
-    assert [(name, argv[argv.index("--first-index") + 1], argv[argv.index("--instances") + 1],
-             argv[argv.index("--preset") + 1], config.child_env(name)["BLOCKQ_KEY_PREFIX"]) for name, argv in workers] == [
+    started = [(name, argv[argv.index("--first-index") + 1], argv[argv.index("--instances") + 1],
+                argv[argv.index("--preset") + 1], config.child_env(name)["BLOCKQ_KEY_PREFIX"])
+               for name, argv in workers]
+    assert started == [
         ("workers-0", "0", "2", "llama2-7b-a30", "{cell0}:"), ("workers-1", "2", "1", "llama2-7b-a100", "{cell0}:"),
         ("workers-2", "3", "1", "llama2-7b-h100-tp2", "{cell0}:"), ("workers-3", "4", "1", "llama2-7b-a30", "{cell1}:"),
         ("workers-4", "5", "2", "llama2-7b-a100", "{cell1}:")]
