@@ -219,11 +219,11 @@ class Block:
         limit_s = min(item.ttft_s for item in ranked) + LANE_SLACK_S
         if budget_s is not None:
             limit_s = min(limit_s, budget_s)
-        preferred = [item.candidate.instance_id not in lanes and item.ttft_s <= limit_s for item in ranked]
-        if not any(preferred):
-            return ranked
-        return ([item for item, first in zip(ranked, preferred, strict=True) if first]
-                + [item for item, first in zip(ranked, preferred, strict=True) if not first])
+        preferred: list[_Ranked] = []
+        others: list[_Ranked] = []
+        for item in ranked:
+            (preferred if item.ttft_s <= limit_s and item.candidate.instance_id not in lanes else others).append(item)
+        return preferred + others if preferred else ranked
 
 
 def lane_ids(instance_ids: Sequence[str]) -> frozenset[str]:
