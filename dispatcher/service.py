@@ -69,6 +69,7 @@ from dispatcher.core import DispatcherCore, Held, Placed
 from dispatcher.lease import REDIS_UNAVAILABLE, Lease, LeaseLost, Pipeline
 from dispatcher.metrics import DispatcherMetrics, DoneFollower
 from dispatcher.policies.shortlist import DEFAULT_SIMULATED_CANDIDATES
+from dispatcher.policies.shortlist_kernel import warm_up as warm_up_shortlist_kernel
 from dispatcher.replacement import DEFAULT_CHUNK_ENTRIES, QueueReplacer, queue_placement
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 
@@ -338,6 +339,7 @@ def prepare_for_decisions(core: DispatcherCore, *, autoscales: bool = False) -> 
     far more than a decision."""
     if core.simulates or autoscales:
         warm_up_packed_kernel()
+        warm_up_shortlist_kernel()
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])

@@ -3,7 +3,10 @@ the requests already there. Pure; runs the engine model's packed scheduler."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from blockq.engine_model.packed import PackedScheduler
 from dispatcher.replica import Baseline, InstanceReplica, WhatIf
@@ -35,7 +38,7 @@ class Forecast:
 
 
 def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, output_tokens: int, *,
-             keep: bool = True, model: str | None = None) -> Forecast:
+             keep: bool = True, added_delay: bool = True, model: str | None = None) -> Forecast:
     """Simulate a request of this size (naming ``model``: with LoRA, its adapter's load and
     slot are simulated) added to ``replica`` now, until every request there finishes.
 
@@ -44,14 +47,20 @@ def forecast(replica: InstanceReplica, request_id: str, prompt_tokens: int, outp
     present (:attr:`InstanceReplica.now_s`): the rest of the step under way is part of
     its wait. The run
     is handed to the replica (unless ``keep`` is false): if the request is then placed
-    there, it is the replica's new baseline (:meth:`InstanceReplica.add_assignment`)."""
+    there, it is the replica's new baseline (:meth:`InstanceReplica.add_assignment`).
+
+    Without ``added_delay`` (no objective but ``e2e`` reads it), ``added_delay_s`` is NaN:
+    it needs the baseline's future to the end, a run of its own on a replica just rebuilt."""
     baseline = replica.baseline()
     now_s = replica.now_s
     start = _start(replica, baseline)
-    ttft_s, e2e_s, added_delay_s, max_latency_s, num_preemptions, finished_at_s = start.what_if(
-        prompt_tokens, output_tokens, now_s, baseline.finished_at_s, replica.adapter_id(model))
+    finished_before_s = baseline.finished_at_s if added_delay else np.full(start.num_rows, np.inf)
+    ttft_s, e2e_s, added_delay_s, max_latency_s, num_preemptions, finished_at_s, drain_snapshot = start.what_if(
+        prompt_tokens, output_tokens, now_s, finished_before_s, request_id, replica.adapter_id(model))
+    if not added_delay:
+        added_delay_s = math.nan
     if keep:
-        replica.keep_what_if(WhatIf(replica.version, request_id, (prompt_tokens, output_tokens), start, now_s,
+        replica.keep_what_if(WhatIf(replica.version, request_id, (prompt_tokens, output_tokens), drain_snapshot,
                                     finished_at_s))
     return Forecast(ttft_s=ttft_s, e2e_s=e2e_s, added_delay_s=added_delay_s,
                     max_latency_s=max_latency_s, num_preemptions=num_preemptions)
@@ -64,9 +73,11 @@ def _start(replica: InstanceReplica, baseline: Baseline) -> PackedScheduler:
 
 
 def forecast_ttft(replica: InstanceReplica, prompt_tokens: int, output_tokens: int, *,
-                  model: str | None = None) -> float:
+                  model: str | None = None) -> tuple[float, float]:
     """:func:`forecast`'s ``ttft_s`` alone, from the same starting point, by a run that
     stops at the request's first token: what ranking by the ``ttft`` objective needs of
-    every candidate (only the chosen one needs the run to the end)."""
+    every candidate (only the chosen one needs the run to the end); and the request's
+    prefill alone there (:meth:`InstanceReplica.prefill_alone_s`). ``model``: as
+    :func:`forecast`'s."""
     return _start(replica, replica.baseline()).first_token_if(prompt_tokens, output_tokens, replica.now_s,
                                                               replica.adapter_id(model))

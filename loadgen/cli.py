@@ -49,8 +49,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, modes: tuple[str, ..
     parser.add_argument("--instances", type=int, default=12)
     parser.add_argument("--instances-per-process", type=int, default=6)
     parser.add_argument("--cells", type=int, default=1,
-                        help="split the --instances evenly into this many cells (each its own dispatcher and "
-                             "streams) behind one front that routes by their published loads (default 1)")
+                        help="split the --instances evenly (a --fleet interleaved: instance i to cell i %% N) "
+                             "into this many cells (each its own dispatcher and streams) behind one front that "
+                             "routes by their published loads (default 1)")
     parser.add_argument("--preset", "--profile", dest="preset", default="llama2-7b-a30",
                         help="engine preset, or a measured PROFILE.json (blockq profile)")
     parser.add_argument("--fleet", type=_fleet, default=None, metavar="COUNT:PRESET[,...]",

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from blockq.engine_model import EngineConfig, EngineRequest, EngineScheduler, StepLatencyModel
+from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.packed import PackedScheduler
 from tests.factories import (
     A30,
@@ -230,11 +231,36 @@ def packed_what_if(start: PackedScheduler, size: tuple[int, int], arrival_s: flo
                    baseline_s: list[float], *, lora_id: int = 0) -> WhatIf:
     """:meth:`PackedScheduler.what_if` from ``start``, as a :class:`WhatIf`."""
     rows_before = start.clone()
-    *outputs, num_preempted, finished_s = start.what_if(*size, arrival_s, np.array(baseline_s), lora_id)
+    *outputs, num_preempted, finished_s, drain_snapshot = start.what_if(*size, arrival_s, np.array(baseline_s),
+                                                                        lora_id=lora_id)
     # the run that stops at the first token gives the same TTFT
-    assert start.first_token_if(*size, arrival_s, lora_id) == outputs[0]
+    ttft_s, prefill_s = start.first_token_if(*size, arrival_s, lora_id)
+    assert ttft_s == outputs[0]
+    # and the prefill alone, as the latency model prices one chunk of the budget after another
+    budget = start.config.max_num_batched_tokens
+    num_full, rest = divmod(size[0], budget)
+    model = start.latency_model
+    assert prefill_s == (num_full * model.step_seconds(budget, 0, 0) if num_full else 0.0) + (
+        model.step_seconds(rest, 0, 0) if rest else 0.0)
     assert np.array_equal(start.times, rows_before.times, equal_nan=True)  # the state is not changed
+    # the run's queue-drain point is what appending the request then advancing there gives
+    rows_before.add_request(WHAT_IF_ID, *size, arrival_s=arrival_s, lora_id=lora_id)
+    assert_same_state(drain_snapshot, rows_before.queue_drain_snapshot())
     return WhatIf(*outputs, num_preempted, finished_s.tolist())
+
+
+def assert_same_state(state: PackedScheduler, expected: PackedScheduler) -> None:
+    """Row for row, queue for queue (the arrays' spare capacity and ring layout aside)."""
+    num_rows = expected.num_rows
+    assert state.request_ids == expected.request_ids
+    assert np.array_equal(state.requests[:num_rows], expected.requests[:num_rows])
+    assert np.array_equal(state.times[:num_rows], expected.times[:num_rows], equal_nan=True)
+    assert state.running_rows() == expected.running_rows() and state.waiting_rows() == expected.waiting_rows()
+    for field in (layout.NUM_ROWS, layout.NUM_RUNNING, layout.NUM_WAITING, layout.NUM_FREE_BLOCKS,
+                  layout.NUM_PREEMPTIONS, layout.NUM_LORA_LOADS):
+        assert state.counters[field] == expected.counters[field]
+    assert state.loaded_loras == expected.loaded_loras
+    assert state.now_s == expected.now_s
 
 
 def test_what_if_equals_stepping_the_reference_with_the_request() -> None:

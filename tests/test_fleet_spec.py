@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
+from blockq.cli.main import build_parser
 from blockq.config import ConfigError
 from blockq.engine_model import get_preset, kv_blocks_for_gpu_memory
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.fleet_spec import FleetGroup, parse_fleet
 from blockq.engine_model.tensor_parallel import LINKS, all_reduce_seconds_per_token
 from blockq.local.cluster_config import ClusterConfig
+from blockq.local.up import _cluster_config
 from blockq.wire.beats import HeartbeatDecoder, decode_heartbeat
 from blockq.wire.protocol import ValidationError, encode
+from loadgen.benches.live import BenchConfig, _served_per_cell
 from loadgen.cli import add_bench_arguments, config_from_args
 from loadgen.simulation.cluster import ClusterSimulation
 from loadgen.simulation.config import SimulationConfig
@@ -45,6 +49,35 @@ def test_fleet_spec_parses_groups_in_order() -> None:
 def test_fleet_spec_errors_name_the_field(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_fleet(spec)
+
+
+def test_a_split_interleaves_the_instances_and_keeps_the_fleet_order() -> None:
+    fleet = parse_fleet("6:llama2-7b-a30,4:llama2-7b-a100,2:llama2-7b-h100-tp2")
+    halves = fleet.split(2)
+    assert [str(half) for half in halves] == ["3:llama2-7b-a30,2:llama2-7b-a100,1:llama2-7b-h100-tp2"] * 2
+    assert fleet.split(1) == (fleet,)
+    # Uneven: 12 instances in 5 cells of 3, 3, 2, 2, 2; cell K's instance J is fleet instance K + 5 J.
+    cells = fleet.split(5)
+    assert [cell.num_instances for cell in cells] == [3, 3, 2, 2, 2]
+    assert [str(cell) for cell in cells] == [
+        "2:llama2-7b-a30,1:llama2-7b-h100-tp2", "1:llama2-7b-a30,1:llama2-7b-a100,1:llama2-7b-h100-tp2",
+        "1:llama2-7b-a30,1:llama2-7b-a100", "1:llama2-7b-a30,1:llama2-7b-a100", "1:llama2-7b-a30,1:llama2-7b-a100"]
+    for index, cell in enumerate(cells):
+        assert cell.instance_presets == fleet.instance_presets[index::5]
+    # Two groups of one preset stay two groups; a group absent from a cell is left out.
+    first, second = parse_fleet("2:llama2-7b-a30,2:llama2-7b-a30,1:llama2-7b-a100").split(2)
+    assert first.groups == (FleetGroup(1, "llama2-7b-a30"), FleetGroup(1, "llama2-7b-a30"),
+                            FleetGroup(1, "llama2-7b-a100"))
+    assert second.groups == (FleetGroup(1, "llama2-7b-a30"), FleetGroup(1, "llama2-7b-a30"))
+    assert sum(cell.num_instances for cell in fleet.split(12)) == 12
+
+
+@pytest.mark.parametrize("num_cells", [0, -1, 13])
+def test_a_split_that_leaves_a_cell_empty_is_refused(num_cells: int) -> None:
+    fleet = parse_fleet("6:llama2-7b-a30,4:llama2-7b-a100,2:llama2-7b-h100-tp2")
+    message = rf"^cells: must be between 1 and the fleet's 12 instances.*\(got {num_cells}\)"
+    with pytest.raises(ValueError, match=message):
+        fleet.split(num_cells)
 
 
 @pytest.mark.parametrize("gpu", ["a100", "h100"])
@@ -120,8 +153,41 @@ def test_a_local_cluster_starts_each_group_in_its_own_worker_processes() -> None
         ClusterConfig(instances=8, fleet="6:llama2-7b-a30,3:llama2-7b-a100")
     with pytest.raises(ConfigError, match=r"^fleet: group 1 \('6:x'\): preset: unknown"):
         ClusterConfig(instances=6, fleet="6:x")
-    with pytest.raises(ConfigError, match="^fleet: a mixed fleet runs emulated engines"):
-        ClusterConfig(instances=9, fleet="6:llama2-7b-a30,3:llama2-7b-a100", cells=3)
+    with pytest.raises(ConfigError, match="^fleet: a mixed fleet runs emulated engines, without autoscale"):
+        ClusterConfig(instances=9, fleet="6:llama2-7b-a30,3:llama2-7b-a100", engine="vllm", model="m")
+
+
+def test_a_local_cluster_of_cells_starts_each_cells_share_of_the_fleet() -> None:
+    # 7 instances in 2 cells: cell 0 the fleet's instances 0, 2, 4, 6 (inst-0 .. inst-3),
+    # cell 1 its instances 1, 3, 5 (inst-4 .. inst-6); each group in worker processes of its own.
+    config = ClusterConfig(instances=7, fleet="3:llama2-7b-a30,3:llama2-7b-a100,1:llama2-7b-h100-tp2", cells=2,
+                           instances_per_process=2)
+    assert config.worker_ranges() == [(0, 2, "llama2-7b-a30"), (2, 1, "llama2-7b-a100"), (3, 1, "llama2-7b-h100-tp2"),
+                                      (4, 1, "llama2-7b-a30"), (5, 2, "llama2-7b-a100")]
+    workers = [(name, argv) for name, argv in config.child_argvs() if name.startswith("workers-")]
+    started = [(name, argv[argv.index("--first-index") + 1], argv[argv.index("--instances") + 1],
+                argv[argv.index("--preset") + 1], config.child_env(name)["BLOCKQ_KEY_PREFIX"])
+               for name, argv in workers]
+    assert started == [
+        ("workers-0", "0", "2", "llama2-7b-a30", "{cell0}:"), ("workers-1", "2", "1", "llama2-7b-a100", "{cell0}:"),
+        ("workers-2", "3", "1", "llama2-7b-h100-tp2", "{cell0}:"), ("workers-3", "4", "1", "llama2-7b-a30", "{cell1}:"),
+        ("workers-4", "5", "2", "llama2-7b-a100", "{cell1}:")]
+    assert config.num_worker_processes == 5 and config.child_env("dispatcher-c1") == {"BLOCKQ_KEY_PREFIX": "{cell1}:"}
+    assert config.metrics_port("workers-4") == config.metrics_base_port + 2 + 4
+    with pytest.raises(ConfigError, match="^cells: must be between 1 and the fleet's 3 instances"):
+        ClusterConfig(instances=3, fleet="2:llama2-7b-a30,1:llama2-7b-a100", cells=4)
+
+
+def test_a_bench_of_cells_counts_each_cells_share_of_the_fleet() -> None:
+    fleet = parse_fleet("3:llama2-7b-a30,3:llama2-7b-a100,1:llama2-7b-h100-tp2")
+    config = BenchConfig(instances=7, fleet=fleet, cells=2)
+    served = [SimpleNamespace(instance=f"inst-{index}") for index in (0, 3, 3, 4, 6)] + [SimpleNamespace(instance="")]
+    assert _served_per_cell(served, config) == {"cell0": 3, "cell1": 2, "none": 1}  # cell 0 is inst-0 .. inst-3
+    # `blockq bench` starts it with `blockq up --fleet F --cells 2` (no --instances needed).
+    up = _cluster_config(build_parser().parse_args(["up", "--fleet", str(fleet), "--cells", "2"]))
+    assert (up.instances, up.cells, up.num_worker_processes) == (7, 2, 5)
+    with pytest.raises(ValueError, match="^cells: must be between 1 and the fleet's 7 instances"):
+        BenchConfig(instances=7, fleet=fleet, cells=8)
 
 
 def test_bench_and_simulate_accept_the_fleet_flag() -> None:

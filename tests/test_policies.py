@@ -222,12 +222,12 @@ def test_a_beat_sent_during_a_step_is_replayed_from_that_steps_end() -> None:
     replica = view.replica(view.instances["i0"], wall[0])
     assert replica.now_s == pytest.approx(beat.engine_time_s)
     # Behind the step under way (0.75 of it left) and the long prompt's next chunks.
-    assert forecast_ttft(replica, 10, 20) > 0.75 * step.duration_s + short_s
+    assert forecast_ttft(replica, 10, 20)[0] > 0.75 * step.duration_s + short_s
     # The same beat read as if its state held at its sending time misses that wait.
     older = ClusterView(keep_replicas=True)
     older.apply_heartbeat(dataclasses.replace(beat, state_at_s=None), wall[0])
     older_replica = older.replica(older.instances["i0"], wall[0])
-    assert forecast_ttft(replica, 10, 20) - forecast_ttft(older_replica, 10, 20) == pytest.approx(
+    assert forecast_ttft(replica, 10, 20)[0] - forecast_ttft(older_replica, 10, 20)[0] == pytest.approx(
         0.75 * step.duration_s, rel=0.05)
 
 
@@ -247,7 +247,7 @@ def test_a_step_starting_before_a_placed_request_reaches_the_engine_runs_without
         replica = InstanceReplica(preset.config, preset.latency_model, delivery_s=delivery_s)
         replica.sync(beat, (), 0.0)
         replica.advance(step_s - 0.001)  # 1 ms before that step ends
-        ttft_s[delivery_s] = forecast_ttft(replica, 10, 20)
+        ttft_s[delivery_s] = forecast_ttft(replica, 10, 20)[0]
     # Taken by the step after it, or (3 ms to arrive) by the one after that.
     assert ttft_s[0.0] == pytest.approx(0.001 + preset.latency_model.step_seconds(10, 1, 56), rel=0.02)
     assert ttft_s[0.003] == pytest.approx(ttft_s[0.0] + preset.latency_model.step_seconds(0, 1, 46), rel=0.02)
@@ -270,7 +270,7 @@ def test_a_replica_waits_as_long_for_delivery_as_its_instance_measures() -> None
         beat = make_heartbeat("i0", running=(decoding,), sent_at_s=0.0, engine_time_s=0.0)
         replica = InstanceReplica(preset.config, preset.latency_model)
         replica.sync(dataclasses.replace(beat, delivery_p90_ms=measured_ms), (), 0.0)
-        ttft_s[measured_ms] = forecast_ttft(replica, 10, 20)
+        ttft_s[measured_ms] = forecast_ttft(replica, 10, 20)[0]
         assert replica.delivery_s == max(DELIVERY_S, min(MAX_DELIVERY_S, (measured_ms or 0.0) / 1000))
     # 5 s is a skewed clock, not a queue: the replica waits MAX_DELIVERY_S at most.
     assert ttft_s[5000.0] < MAX_DELIVERY_S + 2 * step_s

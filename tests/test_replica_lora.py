@@ -38,6 +38,11 @@ def entry(request_id: str, adapter: str | None, *, generated: int = 5, prompt: i
     return RequestProgress(request_id, prompt, computed, generated, 400, 800, lora_adapter=adapter)
 
 
+def ttft_s(replica: InstanceReplica, model: str | None) -> float:
+    """The forecast TTFT of a 200-token prompt naming ``model`` there."""
+    return forecast_ttft(replica, 200, 20, model=model)[0]
+
+
 def replica_of(core: DispatcherCore, instance_id: str) -> InstanceReplica:
     return core.view.replica(core.view.instances[instance_id], 0.0)
 
@@ -76,10 +81,10 @@ def test_the_forecast_holds_the_load_where_the_adapter_is_not_resident() -> None
     core = DispatcherCore("block", seed=0)
     core.apply_heartbeat(lora_beat("a", loaded=["x"]), 0.0)
     replica = replica_of(core, "a")
-    resident = forecast_ttft(replica, 200, 20, model="x")
-    assert forecast_ttft(replica, 200, 20, model="y") == pytest.approx(resident + LOAD_S, abs=1e-12)
-    assert forecast_ttft(replica, 200, 20, model=None) == resident
-    assert forecast(replica, "q", 200, 20, model="y", keep=False).ttft_s == forecast_ttft(replica, 200, 20, model="y")
+    resident = ttft_s(replica, "x")
+    assert ttft_s(replica, "y") == pytest.approx(resident + LOAD_S, abs=1e-12)
+    assert ttft_s(replica, None) == resident
+    assert forecast(replica, "q", 200, 20, model="y", keep=False).ttft_s == ttft_s(replica, "y")
 
 
 def test_the_forecast_holds_the_wait_for_an_adapter_slot() -> None:
@@ -88,7 +93,7 @@ def test_the_forecast_holds_the_wait_for_an_adapter_slot() -> None:
     core = DispatcherCore("block", seed=0)
     core.apply_heartbeat(lora_beat("a", running=(entry("r1", "x"),), loaded=["x"], max_loras=1), 0.0)
     replica = replica_of(core, "a")
-    same, base, other = (forecast_ttft(replica, 200, 20, model=model) for model in ("x", None, "y"))
+    same, base, other = (ttft_s(replica, model) for model in ("x", None, "y"))
     assert same == base < 0.2
     assert other > 5.0  # r1 decodes ~395 more tokens first
 
@@ -118,7 +123,7 @@ def test_the_replica_follows_max_loras_as_the_beats_change_it() -> None:
     """A vllm-http worker learns its server's max_loras after its first beats."""
     core = DispatcherCore("block", seed=0)
     core.apply_heartbeat(lora_beat("a", running=(entry("r1", "x"),), loaded=["x"], max_loras=2), 0.0)
-    assert forecast_ttft(replica_of(core, "a"), 200, 20, model="y") < 0.2  # a second slot is free
+    assert ttft_s(replica_of(core, "a"), "y") < 0.2  # a second slot is free
     core.apply_heartbeat(lora_beat("a", running=(entry("r1", "x"),), loaded=["x"], max_loras=1, seq=2), 0.0)
     replica = replica_of(core, "a")
-    assert replica.config.max_loras == 1 and forecast_ttft(replica, 200, 20, model="y") > 5.0
+    assert replica.config.max_loras == 1 and ttft_s(replica, "y") > 5.0

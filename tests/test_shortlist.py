@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from blockq.wire.beats import RequestProgress
@@ -12,7 +13,8 @@ from dispatcher.cluster_view import AS_IS_S, ClusterView
 from dispatcher.core import DispatcherCore, Placed
 from dispatcher.policies import make_policy
 from dispatcher.policies.predictive import lane_ids
-from dispatcher.policies.shortlist import Shortlist
+from dispatcher.policies.shortlist import AGE_WEIGHT, LANE_CANDIDATES, Shortlist
+from dispatcher.policies.shortlist_kernel import shortlist_positions
 from dispatcher.what_if import forecast_ttft
 from tests.factories import make_heartbeat, make_request
 
@@ -78,7 +80,7 @@ def test_a_shortlisted_decision_is_the_best_of_those_it_simulated() -> None:
     request = make_request("x " * 50, max_tokens=800, predicted=100, submitted_at_s=NOW_S)
     simulated = policy.shortlist.select(candidates, lane_ids([c.instance_id for c in candidates]), NOW_S)
     assert 5 <= len(simulated) <= 10  # the best 5, and the best 5 outside the lanes
-    ttft_s = {c.instance_id: forecast_ttft(view.replica(c, NOW_S), *view.replica(c, NOW_S).request_size(request))
+    ttft_s = {c.instance_id: forecast_ttft(view.replica(c, NOW_S), *view.replica(c, NOW_S).request_size(request))[0]
               for c in candidates}
     decision = policy.choose(request, candidates, NOW_S)
     assert decision.instance_id in policy.shortlist.start_at_s
@@ -95,20 +97,24 @@ def test_select_takes_the_best_known_and_explores_the_untried_then_the_oldest() 
     candidates = view.live_instances()
     shortlist = Shortlist(2, random.Random(0))
     for k in range(5):
-        shortlist.learn(f"i{k}", NOW_S + 10 + k, NOW_S - 1)
-    shortlist.learn("i3", NOW_S + 1, NOW_S)  # the best known: ready 1 s from now
+        shortlist.learn({f"i{k}": NOW_S + 10 + k}, NOW_S - 1)
+    shortlist.learn({"i3": NOW_S + 1}, NOW_S)  # the best known: ready 1 s from now
     # One best known (i3), one explored: i5 was never simulated.
     assert [c.instance_id for c in shortlist.select(candidates, frozenset(), NOW_S)] == ["i3", "i5"]
-    shortlist.learn("i5", NOW_S + 20, NOW_S)
+    shortlist.learn({"i5": NOW_S + 20}, NOW_S)
     # Explored next: the oldest belief (i0, learnt first among ties of age, by jitter: any of i0-i2, i4).
     explored = {c.instance_id for c in shortlist.select(candidates, frozenset(), NOW_S)} - {"i3"}
     assert len(explored) == 1 and explored <= {"i0", "i1", "i2", "i4"}
     # A start that has passed counts as now; of two ready now, the one learnt last is the best known.
-    shortlist.learn("i1", NOW_S - 3, NOW_S - 0.5)
-    shortlist.learn("i2", NOW_S - 4, NOW_S - 0.9)
+    shortlist.learn({"i1": NOW_S - 3}, NOW_S - 0.5)
+    shortlist.learn({"i2": NOW_S - 4}, NOW_S - 0.9)
     assert shortlist.select(candidates, frozenset(), NOW_S)[0].instance_id == "i1"
-    # With lanes, as many again outside them.
-    assert len(shortlist.select(candidates, frozenset({"i1"}), NOW_S)) in (3, 4)
+    # A request kept off the lanes (i1 is one): the best known outside them (i2), the best
+    # lanes (i1), one explored.
+    chosen = [c.instance_id for c in shortlist.select(candidates, frozenset({"i1"}), NOW_S, off_lanes=True)]
+    assert chosen[:2] == ["i1", "i2"] and len(chosen) == 3  # best known first
+    # Any other request: the lanes count as any instance.
+    assert [c.instance_id for c in shortlist.select(candidates, frozenset({"i1"}), NOW_S)][0] == "i1"
     assert not Shortlist(6, random.Random(0)).cuts(6) and Shortlist(5, random.Random(0)).cuts(6)
     assert not Shortlist(0, random.Random(0)).cuts(1000)
 
@@ -157,3 +163,74 @@ def test_a_decision_places_by_a_replica_rebuilt_from_the_latest_beat() -> None:
         assert isinstance(outcome, Placed)
         chosen = core.view.instances[outcome.request.assignment.instance_id]
         assert core.view.is_current(chosen)
+
+
+def _numpy_cut(starts: np.ndarray, learnt: np.ndarray, outside_lanes: np.ndarray, jitter: np.ndarray,
+               now_s: float, num_best: int, num_explored: int, num_lanes: int) -> list[int]:
+    """The shortlist's cut written with numpy calls."""
+
+    def smallest(keys: np.ndarray, eligible: np.ndarray, count: int) -> set[int]:
+        order = np.lexsort((jitter, keys))  # by key, equal keys by jitter
+        return set(order[eligible[order]][:count].tolist())
+
+    best = np.maximum(starts, now_s) + (now_s - learnt) * AGE_WEIGHT + jitter
+    best[np.isnan(best)] = np.inf
+    if num_lanes >= 0:  # kept off the lanes: the best outside them, the few best lanes
+        chosen = smallest(best, outside_lanes, num_best) | smallest(best, ~outside_lanes, num_lanes)
+    else:
+        chosen = smallest(best, np.ones(len(starts), bool), num_best)
+    chosen |= smallest(learnt + jitter, np.array([p not in chosen for p in range(len(starts))]), num_explored)
+    return sorted(chosen, key=lambda p: (best[p], jitter[p]))
+
+
+@pytest.mark.parametrize("num_candidates", [3, 20, 1024])
+def test_the_compiled_cut_takes_what_the_numpy_one_took(num_candidates: int) -> None:
+    rng = np.random.default_rng(num_candidates)
+    for trial in range(200):
+        starts = rng.uniform(0, 2, num_candidates)
+        starts[rng.random(num_candidates) < 0.1 * (trial % 3)] = np.nan  # never simulated ...
+        learnt = np.where(np.isnan(starts), -1e9, rng.uniform(0, 1, num_candidates))  # ... learnt at NEVER_S
+        outside_lanes = rng.random(num_candidates) > 1 / 6
+        jitter = rng.random(num_candidates) * 1e-6
+        num_best, num_explored = int(rng.integers(1, 16)), int(rng.integers(1, 3))
+        args = (starts, learnt, outside_lanes, jitter, 1.0, num_best, num_explored, trial % 3 - 1)
+        got = shortlist_positions(starts, learnt, outside_lanes, jitter, 1.0, AGE_WEIGHT, *args[5:])
+        assert got.tolist() == _numpy_cut(*args)
+
+
+@pytest.mark.parametrize(("prompt_words", "lanes_simulated"), [(50, LANE_CANDIDATES), (3000, 4)])
+def test_a_request_kept_off_the_lanes_simulates_only_the_best_lanes(prompt_words: int, lanes_simulated: int) -> None:
+    # 30 instances, 5 lanes believed best: an ordinary request simulates the best known
+    # others and only the two best lanes; a long prompt (the lanes' purpose) the best of all.
+    view = ClusterView(keep_replicas=True)
+    for beat in fleet(30, seed=4):
+        view.apply_heartbeat(beat, NOW_S)
+    policy = make_policy("block", view, seed=1, num_simulated_candidates=5)
+    candidates = view.live_instances()
+    lanes = lane_ids([c.instance_id for c in candidates])
+    policy.shortlist.learn(dict.fromkeys(lanes, NOW_S), NOW_S)
+    # The others were learnt earlier: the one explored is one of them.
+    policy.shortlist.learn({c.instance_id: NOW_S + 5 for c in candidates if c.instance_id not in lanes}, NOW_S - 1)
+    request = make_request("x " * prompt_words, max_tokens=800, predicted=100, submitted_at_s=NOW_S)
+    before = dict(policy.shortlist.learnt_at_s)
+    policy.choose(request, candidates, NOW_S + 0.01)
+    simulated = {i for i, at_s in policy.shortlist.learnt_at_s.items() if at_s != before.get(i)}
+    assert len(simulated & lanes) == lanes_simulated
+    # 4 best known (of all, or of the others and the best lanes besides) and 1 explored
+    assert len(simulated) == (5 if lanes_simulated == 4 else 4 + LANE_CANDIDATES + 1)
+
+
+def test_a_forecast_without_the_added_delay_leaves_out_only_that() -> None:
+    from dispatcher.what_if import forecast
+
+    view = ClusterView(keep_replicas=True)
+    view.apply_heartbeat(loaded_beat("i0", random.Random(5), num_waiting=6), NOW_S)
+    full = forecast(view.replica(view.instances["i0"], NOW_S), "a", 300, 200, keep=False)
+    view = ClusterView(keep_replicas=True)  # a replica just rebuilt: no baseline future yet
+    view.apply_heartbeat(loaded_beat("i0", random.Random(5), num_waiting=6), NOW_S)
+    replica = view.replica(view.instances["i0"], NOW_S)
+    brief = forecast(replica, "a", 300, 200, keep=False, added_delay=False)
+    assert full.added_delay_s > 0 and np.isnan(brief.added_delay_s)
+    assert (brief.ttft_s, brief.e2e_s, brief.max_latency_s, brief.num_preemptions) == (
+        full.ttft_s, full.e2e_s, full.max_latency_s, full.num_preemptions)
+    assert replica.baseline()._finished_at_s is None  # the baseline's future was not run

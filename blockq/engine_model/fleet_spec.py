@@ -9,6 +9,7 @@ is one instance. Instances are numbered group by group in the order written (``g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 from blockq.engine_model.presets import EnginePreset, get_preset
 
@@ -52,6 +53,29 @@ class FleetSpec:
     def min_max_model_len(self) -> int:
         """The longest request every instance of the fleet can take."""
         return min(preset.config.max_model_len for preset in self.presets())
+
+    def split(self, num_cells: int) -> tuple[FleetSpec, ...]:
+        """The fleet split into ``num_cells`` cells (``blockq simulate --cells``, ``blockq up
+        --cells``): instance ``i`` goes to cell ``i % num_cells``, interleaved, so that every
+        cell gets the same mix of presets as far as the counts allow (a cell's load per
+        instance, which the front compares, then means the same in every cell). Each cell's
+        fleet keeps the groups in fleet order (a group none of whose instances land in the
+        cell is left out), so its instance ``k`` is instance ``cell + k * num_cells`` of this
+        fleet; cells differ in size by one at most (the first ``num_instances % num_cells``
+        are the larger). Pure: the same fleet and count give the same cells.
+
+        Raises:
+            ValueError: naming ``cells`` when ``num_cells`` is below 1 or leaves a cell empty
+                (more cells than instances).
+        """
+        if not 1 <= num_cells <= self.num_instances:
+            raise ValueError(f"cells: must be between 1 and the fleet's {self.num_instances} instances, so that "
+                             f"no cell is empty (got {num_cells})")
+        group_of_instance = [index for index, group in enumerate(self.groups) for _ in range(group.num_instances)]
+        return tuple(
+            FleetSpec(tuple(FleetGroup(len(list(members)), self.groups[group].preset)
+                            for group, members in groupby(group_of_instance[cell::num_cells])))
+            for cell in range(num_cells))
 
     def __str__(self) -> str:
         return ",".join(f"{group.num_instances}:{group.preset}" for group in self.groups)

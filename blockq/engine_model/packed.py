@@ -22,6 +22,7 @@ from blockq.engine_model import packed_layout as layout
 from blockq.engine_model.config import EngineConfig
 from blockq.engine_model.latency import StepLatencyModel
 from blockq.engine_model.packed_lora import num_lora_slots
+from blockq.engine_model.packed_step import prefill_alone_s
 from blockq.engine_model.request import EngineRequest
 from blockq.engine_model.restore_checks import RestoredRow, check_restored_rows
 from blockq.engine_model.scheduler import EngineScheduler
@@ -319,26 +320,46 @@ class PackedScheduler:
         return other
 
     def what_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float,
-                baseline_finished_at_s: np.ndarray, lora_id: int = 0) -> tuple[float, float, float, float, int, np.ndarray]:
+                baseline_finished_at_s: np.ndarray, request_id: str = "what-if", lora_id: int = 0,
+                ) -> tuple[float, float, float, float, int, np.ndarray, PackedScheduler]:
         """:func:`.packed_kernel.what_if` on this state (unchanged): a request of this size
-        (and adapter: ``lora_id``, 0 none) appended and everything simulated to the end,
-        in one compiled call. ``baseline_finished_at_s`` must cover every current row."""
+        (and adapter: ``lora_id``, 0 none) appended and everything simulated to the end, in
+        one compiled call; last, the run's queue-drain snapshot (what :meth:`add_request` of
+        ``request_id`` then :meth:`queue_drain_snapshot` give, without simulating its steps
+        again). ``baseline_finished_at_s`` must cover every current row."""
         if len(baseline_finished_at_s) < self.num_rows:
             raise ValueError("baseline_finished_at_s: must have a time for every row")
         output_tokens = min(output_tokens, self.config.max_model_len - prompt_tokens)
-        return kernel.what_if(
+        *outputs, drained = kernel.what_if(
             self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
             self._config_array, self._latency_array, self._linear_table_s,
             prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s, lora_id)
+        snapshot = PackedScheduler.__new__(PackedScheduler)
+        snapshot.config, snapshot.latency_model = self.config, self.latency_model
+        snapshot.requests, snapshot.times, snapshot.running, snapshot.waiting, snapshot.counters, \
+            snapshot.clock = drained
+        snapshot.request_ids = [*self.request_ids, request_id]
+        snapshot._config_array = self._config_array
+        snapshot._latency_array = self._latency_array
+        snapshot._linear_table_s = self._linear_table_s
+        return (*outputs, snapshot)
 
-    def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float, lora_id: int = 0) -> float:
+    def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float,
+                       lora_id: int = 0) -> tuple[float, float]:
         """:meth:`what_if`'s TTFT alone, from a run that stops at the new request's first
-        token (:func:`.packed_kernel.first_token_if`): the same value, at a fraction of the cost."""
+        token (:func:`.packed_kernel.first_token_if`): the same value, at a fraction of the
+        cost; and the request's :meth:`prefill_alone_s`."""
         output_tokens = min(output_tokens, self.config.max_model_len - prompt_tokens)
-        return float(kernel.first_token_if(
+        return kernel.first_token_if(
             self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
             self._config_array, self._latency_array, self._linear_table_s,
-            prompt_tokens, output_tokens, arrival_s, lora_id))
+            prompt_tokens, output_tokens, arrival_s, lora_id)
+
+    def prefill_alone_s(self, prompt_tokens: int) -> float:
+        """Model seconds to prefill ``prompt_tokens`` here with nothing else running
+        (:func:`.packed_step.prefill_alone_s`)."""
+        return prefill_alone_s(self._latency_array, self._linear_table_s,
+                               max(1, self.config.max_num_batched_tokens), prompt_tokens)
 
     # --- helpers --------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from blockq.engine_model.packed_layout import (
     WAITING_HEAD,
 )
 from blockq.engine_model.packed_span import decode_span
-from blockq.engine_model.packed_step import step
+from blockq.engine_model.packed_step import prefill_alone_s, step
 
 
 @njit(cache=True)
@@ -215,10 +215,11 @@ def _with_request(requests: np.ndarray, times: np.ndarray, running: np.ndarray, 
 def first_token_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
                    counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
                    linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int,
-                   arrival_s: float, lora_id: int = 0) -> float:
+                   arrival_s: float, lora_id: int = 0) -> tuple[float, float]:
     """:func:`what_if`'s first output alone: the run stops at the new request's first token
     (or its finish), which is usually a few steps in, not at the end of everything. Every
-    step up to there is the full run's, so the value is the same."""
+    step up to there is the full run's, so the value is the same. With it, the request's
+    prefill alone (:func:`.packed_step.prefill_alone_s`): what its TTFT is beyond its wait."""
     num_rows = counters[NUM_ROWS]
     new_requests, new_times, new_running, new_waiting, new_counters, new_clock = _with_request(
         requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s, lora_id)
@@ -227,25 +228,36 @@ def first_token_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
     first_token_s = new_times[num_rows, FIRST_TOKEN]
     if np.isnan(first_token_s):
         first_token_s = new_times[num_rows, FINISHED]
-    return first_token_s - arrival_s
+    return first_token_s - arrival_s, prefill_alone_s(latency, linear_table_s, max(1, config[MAX_NUM_BATCHED_TOKENS]),
+                                                      prompt_tokens)
 
 
 @njit(cache=True)
 def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
             counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
             linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int, arrival_s: float,
-            baseline_finished_at_s: np.ndarray, lora_id: int = 0) -> tuple[float, float, float, float, int, np.ndarray]:
+            baseline_finished_at_s: np.ndarray, lora_id: int = 0) -> tuple[float, float, float, float, int, np.ndarray,
+                                                                           tuple[np.ndarray, ...]]:
     """Append a request to a copy of the state and simulate until everything finishes;
     the state itself is not changed. ``output_tokens`` must already fit ``max_model_len``.
 
     Returns, in seconds after ``arrival_s``: the request's first token and finish, the
     sum over the rows already there of how much later each finishes than in
     ``baseline_finished_at_s`` (by row), the latest finish; the preemptions the run
-    made; and every row's finish time (the new request's row last). ``lora_id``: the
-    request's adapter (0: none)."""
+    made; every row's finish time (the new request's row last); and the run's state at
+    its queue-drain point (:func:`advance_to_queue_drain`: requests, times, running,
+    waiting, counters, clock), where the run passes anyway: placed, the request makes it
+    the replica's next baseline snapshot, which is then not simulated a second time.
+    ``lora_id``: the request's adapter (0: none)."""
     num_rows = counters[NUM_ROWS]
     new_requests, new_times, new_running, new_waiting, new_counters, new_clock = _with_request(
         requests, times, running, waiting, counters, clock, prompt_tokens, output_tokens, arrival_s, lora_id)
+    # The same steps as simulating from the start: advance_to_queue_drain stops at a step
+    # boundary and leaves the state as stepping reached it.
+    advance_to_queue_drain(new_requests, new_times, new_running, new_waiting, new_counters, new_clock,
+                           config, latency, linear_table_s)
+    drained = (new_requests.copy(), new_times.copy(), new_running.copy(), new_waiting.copy(),
+               new_counters.copy(), new_clock.copy())
     simulate(new_requests, new_times, new_running, new_waiting, new_counters, new_clock, config,
              latency, linear_table_s, np.inf, -1, 1 << 62)
     added_delay_s = 0.0
@@ -263,7 +275,7 @@ def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waitin
     if np.isnan(first_token_s):
         first_token_s = finished_s
     return (first_token_s - arrival_s, finished_s - arrival_s, added_delay_s, latest_s - arrival_s,
-            new_counters[NUM_PREEMPTIONS] - counters[NUM_PREEMPTIONS], new_times[:, FINISHED].copy())
+            new_counters[NUM_PREEMPTIONS] - counters[NUM_PREEMPTIONS], new_times[:, FINISHED].copy(), drained)
 
 
 @njit(cache=True)

@@ -65,6 +65,20 @@ def step_seconds(latency: np.ndarray, linear_table_s: np.ndarray, num_prefill_to
 
 
 @njit(cache=True)
+def prefill_alone_s(latency: np.ndarray, linear_table_s: np.ndarray, budget: int, prompt_tokens: int) -> float:
+    """Seconds to prefill ``prompt_tokens`` with nothing else running: full chunks of the
+    ``budget`` tokens a step takes, then the rest (what a TTFT is beyond the wait for
+    the others, as a ranking estimates it)."""
+    num_full, rest = prompt_tokens // budget, prompt_tokens % budget
+    seconds = 0.0
+    if num_full:
+        seconds = num_full * step_seconds(latency, linear_table_s, budget, 0, 0, budget * (budget + 1) // 2)
+    if rest:
+        seconds += step_seconds(latency, linear_table_s, rest, 0, 0, rest * (rest + 1) // 2)
+    return seconds
+
+
+@njit(cache=True)
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -29,9 +29,12 @@ that are not set, from the node's free memory (:meth:`ClusterConfig.vllm_wanted`
 blockq/local/vllm_sizing.py); a ``preset`` that is a measured PROFILE.json (``blockq profile``)
 is the latency model the instances publish, and ``time_scale`` and ``noise`` (the emulated
 engine's) are not used. ``fleet = "6:llama2-7b-a30,2:llama2-7b-h100-tp2"`` (emulated engine,
-one cell, no autoscale): a mixed fleet, each group's instances in worker processes of their
-own started with the group's preset; ``instances`` is the fleet's size and ``preset`` unused
-(:mod:`blockq.engine_model.fleet_spec`).
+no autoscale): a mixed fleet, each group's instances in worker processes of their own
+started with the group's preset; ``instances`` is the fleet's size and ``preset`` unused
+(:mod:`blockq.engine_model.fleet_spec`). With ``cells`` the fleet is split interleaved
+(:meth:`~blockq.engine_model.fleet_spec.FleetSpec.split`: every cell the same mix as far as
+the counts allow, sizes differing by one at most), and instances are numbered cell by cell:
+cell K's are ``inst-F`` ... from F, the earlier cells' sizes summed.
 
 ``prefix_caching = true`` turns on every instance's prefix cache (``workers
 --prefix-caching``): the emulated engines reuse cached prompt blocks and count hits; vLLM
@@ -62,7 +65,6 @@ every worker asks it for remaining-length refinements of its running requests ev
 
 from __future__ import annotations
 
-import math
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -128,13 +130,15 @@ class ClusterConfig:
     refine_model: str | None = None
     predictor_http_port: int = 8100
     refine_every_tokens: int = DEFAULT_REFINE_EVERY_TOKENS
-    # Cells (blockq.cells): the instances split evenly into this many, each with its own
-    # predictor, dispatcher and key prefix (cell_prefix); the gateway routes between them.
+    # Cells (blockq.cells): the instances split evenly (a fleet: interleaved) into this many,
+    # each with its own predictor, dispatcher and key prefix (cell_prefix); the gateway routes
+    # between them.
     cells: int = 1
     fleet: str | None = None  # a mixed fleet, COUNT:PRESET[,...] (blockq.engine_model.fleet_spec)
 
     def __post_init__(self) -> None:
         self._check_fleet()
+        self._check_cells()
         if not 1 <= self.instances <= 1024:
             raise ConfigError(f"instances: must be between 1 and 1024 (got {self.instances})")
         if not 1 <= self.instances_per_process <= 256:
@@ -151,11 +155,6 @@ class ClusterConfig:
         check_engine(self)
         self._check_metrics_ports()
         self._check_refinement()
-        if not 1 <= self.cells <= MAX_LOCAL_CELLS or self.instances % self.cells:
-            raise ConfigError(f"cells: must be between 1 and {MAX_LOCAL_CELLS} and divide instances "
-                              f"(got {self.cells} cells, {self.instances} instances)")
-        if self.cells > 1 and (self.autoscale is not None or self.batch_worker):
-            raise ConfigError("cells: a local cluster of several cells runs without autoscale and the batch worker")
         bounds = self.autoscale
         if bounds is not None and not bounds.min_instances <= self.instances <= bounds.max_instances:
             raise ConfigError(f"instances: must be between min_instances ({bounds.min_instances}) and "
@@ -168,26 +167,47 @@ class ClusterConfig:
             fleet = parse_fleet(self.fleet)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.engine != "emulated" or self.cells != 1 or self.autoscale is not None:
-            raise ConfigError("fleet: a mixed fleet runs emulated engines in one cell, without autoscale")
+        if self.engine != "emulated" or self.autoscale is not None:
+            raise ConfigError("fleet: a mixed fleet runs emulated engines, without autoscale")
         if self.instances != fleet.num_instances:
             raise ConfigError(f"fleet: {fleet.num_instances} instances, but instances is {self.instances}")
 
+    def _check_cells(self) -> None:
+        # Before the metrics ports: counting the worker processes splits the instances.
+        if not 1 <= self.cells <= MAX_LOCAL_CELLS:
+            raise ConfigError(f"cells: must be between 1 and {MAX_LOCAL_CELLS} (got {self.cells})")
+        if self.fleet is not None:  # the fleet decides the cells' sizes
+            try:
+                parse_fleet(self.fleet).split(self.cells)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        elif self.instances % self.cells:
+            raise ConfigError(f"cells: must be between 1 and {MAX_LOCAL_CELLS} and divide instances "
+                              f"(got {self.cells} cells, {self.instances} instances)")
+        if self.cells > 1 and (self.autoscale is not None or self.batch_worker):
+            raise ConfigError("cells: a local cluster of several cells runs without autoscale and the batch worker")
+
     def worker_ranges(self) -> list[tuple[int, int, str]]:
-        """(first instance index, number of instances, preset) of every worker process."""
+        """(first instance index, number of instances, preset) of every worker process, cell
+        by cell (:meth:`_cell_worker_ranges`)."""
+        return [(first, count, preset) for _, first, count, preset in self._cell_worker_ranges()]
+
+    def _cell_worker_ranges(self) -> list[tuple[int, int, int, str]]:
+        """(cell, first instance index, number of instances, preset) of every worker process:
+        instances numbered cell by cell, each cell's groups (one without a fleet) in worker
+        processes of their own, at most ``instances_per_worker_process`` a process."""
         per_process = self.instances_per_worker_process
         if self.fleet is not None:
-            ranges, first = [], 0
-            for group in parse_fleet(self.fleet).groups:
-                for offset in range(0, group.num_instances, per_process):
-                    ranges.append((first + offset, min(per_process, group.num_instances - offset), group.preset))
-                first += group.num_instances
-            return ranges
-        ranges, per_cell = [], self.instances // self.cells
-        for process_index in range(self.num_worker_processes):
-            cell, index_in_cell = divmod(process_index, self._num_worker_processes_per_cell)
-            first = cell * per_cell + index_in_cell * per_process
-            ranges.append((first, min(per_process, (cell + 1) * per_cell - first), self.preset))
+            cells = [[(group.num_instances, group.preset) for group in cell_fleet.groups]
+                     for cell_fleet in parse_fleet(self.fleet).split(self.cells)]
+        else:
+            cells = [[(self.instances // self.cells, self.preset)]] * self.cells
+        ranges, first = [], 0
+        for cell, groups in enumerate(cells):
+            for num_instances, preset in groups:
+                for offset in range(0, num_instances, per_process):
+                    ranges.append((cell, first + offset, min(per_process, num_instances - offset), preset))
+                first += num_instances
         return ranges
 
     def _check_metrics_ports(self) -> None:
@@ -265,13 +285,7 @@ class ClusterConfig:
 
     @property
     def num_worker_processes(self) -> int:
-        if self.fleet is not None:
-            return len(self.worker_ranges())
-        return self.cells * self._num_worker_processes_per_cell
-
-    @property
-    def _num_worker_processes_per_cell(self) -> int:
-        return math.ceil(self.instances // self.cells / self.instances_per_worker_process)
+        return len(self._cell_worker_ranges())
 
     def cell_prefix(self, cell: int) -> str:
         """Cell ``cell``'s key prefix, hash-tagged (one slot per cell on Redis Cluster)."""
@@ -289,7 +303,7 @@ class ClusterConfig:
             return {}
         if child_name == "gateway":
             return {"BLOCKQ_CELLS": self.cells_setting}
-        cell = _cell_of_child(child_name, self._num_worker_processes_per_cell)
+        cell = _cell_of_child(child_name, [cell for cell, *_ in self._cell_worker_ranges()])
         return {} if cell is None else {"BLOCKQ_KEY_PREFIX": self.cell_prefix(cell)}
 
     def vllm_wanted(self) -> VllmWanted:
@@ -412,16 +426,17 @@ class ClusterConfig:
         return argv
 
 
-def _cell_of_child(child_name: str, num_worker_processes_per_cell: int) -> int | None:
-    """The cell a child of :meth:`ClusterConfig.child_argvs` serves (None: none, or all)."""
+def _cell_of_child(child_name: str, cell_of_worker_process: list[int]) -> int | None:
+    """The cell a child of :meth:`ClusterConfig.child_argvs` serves (None: none, or all);
+    ``cell_of_worker_process``: the cell of each worker process, by its index."""
     if child_name in ("predictor", "dispatcher"):
         return 0
     for service in ("predictor-c", "dispatcher-c"):
         if child_name.startswith(service) and child_name[len(service):].isdigit():
             return int(child_name[len(service):])
     index = child_name.removeprefix(WORKER_CHILD_PREFIX)
-    if child_name.startswith(WORKER_CHILD_PREFIX) and index.isdigit():
-        return int(index) // num_worker_processes_per_cell
+    if child_name.startswith(WORKER_CHILD_PREFIX) and index.isdigit() and int(index) < len(cell_of_worker_process):
+        return cell_of_worker_process[int(index)]
     return None
 
 

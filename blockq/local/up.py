@@ -88,7 +88,7 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default=None, help="engine preset (default llama2-7b-a30)")
     p.add_argument("--fleet", default=None, metavar="COUNT:PRESET[,...]",
                    help="a mixed fleet of emulated engines, e.g. 6:llama2-7b-a30,2:llama2-7b-h100-tp2 "
-                        "(replaces --instances and --preset; one cell, no autoscale)")
+                        "(replaces --instances and --preset; no autoscale; with --cells, split interleaved)")
     p.add_argument("--time-scale", type=float, default=None, help="wall seconds per model second (default 1)")
     p.add_argument("--engine", choices=["emulated", "vllm", "vllm-http"], default=None,
                    help="engine of every instance (default emulated); vllm-http: a worker per running vLLM "
@@ -116,8 +116,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--predictor-model", default=None, help="trained predictor directory")
     add_refine_arguments(p, defaults=False)
     p.add_argument("--cells", type=int, default=None,
-                   help="split the instances evenly into this many cells, each with its own predictor, dispatcher "
-                        "and key prefix {cellK}: (default 1); the gateway routes between them (docs/architecture.md)")
+                   help="split the instances evenly (a --fleet interleaved) into this many cells, each with its own "
+                        "predictor, dispatcher and key prefix {cellK}: (default 1); the gateway routes between them "
+                        "(docs/architecture.md)")
     p.add_argument("--gateway", action="store_true", default=None, help="also start the HTTP gateway")
     p.add_argument("--gateway-port", type=int, default=None)
     p.add_argument("--batch-worker", action="store_true", default=None, help="also start the batch (rq) worker")

@@ -44,6 +44,7 @@ class _Ranked:
 
     key: tuple[float, float]
     ttft_s: float
+    wait_s: float  # the TTFT less the request's prefill alone: when a prefill could start there
     candidate: InstanceView
     replica: InstanceReplica
     size: tuple[int, int]
@@ -101,8 +102,9 @@ class Block:
         # On a fleet the shortlist cuts, the candidates are ranked on their replicas as they
         # are (ClusterView.replica's ``as_is``), and none is kept current beat by beat.
         as_is = self.shortlist.cuts(len(candidates))
+        off_lanes = as_is and bool(lanes) and self._kept_off_lanes(request, candidates[0], now_s, sizes)
         ranked = [self._simulated(request, candidate, now_s, sizes, as_is=as_is, keep_current=not as_is)
-                  for candidate in self.shortlist.select(candidates, lanes, now_s)]
+                  for candidate in self.shortlist.select(candidates, lanes, now_s, off_lanes=off_lanes)]
         ranked = self._ordered(request, ranked, lanes, now_s, bus_now_s)
         # What a decision places by is simulated on replicas rebuilt from their latest beat:
         # one ranked on an older one that would be taken is simulated again, rebuilt, and
@@ -121,7 +123,8 @@ class Block:
             if upper.num_preemptions <= item.forecast.num_preemptions:
                 chosen = item
                 break
-        chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size, model=request.model)
+        chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size,
+                                                      added_delay=self.objective == "e2e", model=request.model)
         if as_is:  # the shortlist cut: it learns from what was simulated
             self._learn(ranked, now_s)
         return Decision(chosen.candidate.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
@@ -133,7 +136,7 @@ class Block:
         objective first, the long-prompt lanes behind the others within reach."""
         ranked = sorted(ranked, key=lambda item: item.key)
         ranked = self._meeting_the_slo_first(request, ranked, now_s, bus_now_s)
-        if lanes and _keeps_off_lanes(ranked):
+        if lanes and _off_lanes(ranked[0].replica, ranked[0].size):
             ranked = self._lanes_last(request, ranked, lanes, now_s, bus_now_s)
         return ranked
 
@@ -141,32 +144,26 @@ class Block:
                    sizes: dict[int, tuple[int, int]], *, as_is: bool, keep_current: bool) -> _Ranked:
         """``candidate`` simulated with the request (``as_is``: on its replica as it is,
         when that was rebuilt recently enough; ``keep_current``: its next beats rebuild it:
-        :meth:`ClusterView.replica`). ``sizes``: the request's size by
-        ``max_model_len``, shared by the candidates of a decision (the same on most fleets),
-        unless a prefix cache makes each candidate's prefill its own."""
+        :meth:`ClusterView.replica`). ``sizes``: as :func:`_size` shares them."""
         # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
         # one's run to the end (the replica's next baseline, the predicted E2E) follows.
         ttft_only = self.objective == "ttft" and not self.kv_guard_candidates
         replica = self.view.replica(candidate, now_s, keep_current=keep_current, as_is=as_is)
-        if replica.prefix_index is not None:
-            size = replica.request_size(request)
-        else:
-            max_model_len = replica.config.max_model_len
-            if max_model_len not in sizes:
-                sizes[max_model_len] = replica.request_size(request)
-            size = sizes[max_model_len]
+        size = _size(request, replica, sizes)
         if ttft_only:
-            candidate_forecast, ttft_s = None, forecast_ttft(replica, *size, model=request.model)
+            candidate_forecast = None
+            ttft_s, prefill_s = forecast_ttft(replica, *size, model=request.model)
             score = ttft_s
         else:
             candidate_forecast = forecast(replica, request.id, *size, model=request.model)
             ttft_s, score = candidate_forecast.ttft_s, candidate_forecast.score(self.objective)
+            prefill_s = replica.prefill_alone_s(size[0])
         if request.model is not None:  # a LoRA load's cost to later requests (dispatcher.adapters)
             charge_s = adapter_charge(candidate, request.model)
             ttft_s, score = ttft_s + charge_s, score + charge_s
         # Scores equal to 1e-9 s are ties, broken at random.
         key = (round(score, 9), self.rng.random())
-        return _Ranked(key, ttft_s, candidate, replica, size, candidate_forecast,
+        return _Ranked(key, ttft_s, max(0.0, ttft_s - prefill_s), candidate, replica, size, candidate_forecast,
                        stale=not self.view.is_current(candidate))
 
     def _learn(self, ranked: list[_Ranked], now_s: float) -> None:
@@ -174,10 +171,17 @@ class Block:
         prefill: after the wait this request was simulated to have there (its TTFT less its
         own prefill). The one it goes to is no exception: the next decision simulates it
         again, with this request, if it still ranks among the best."""
-        for item in ranked:
-            replica = item.replica
-            wait_s = max(0.0, item.ttft_s - replica.prefill_alone_s(item.size[0]))
-            self.shortlist.learn(item.candidate.instance_id, now_s + wait_s * replica.time_scale, now_s)
+        self.shortlist.learn({item.candidate.instance_id: now_s + item.wait_s * item.replica.time_scale
+                              for item in ranked}, now_s)
+
+    def _kept_off_lanes(self, request: Request, candidate: InstanceView, now_s: float,
+                        sizes: dict[int, tuple[int, int]]) -> bool:
+        """Before simulating: whether the lane rule will keep ``request`` off the lanes
+        (:func:`_off_lanes`), judged on ``candidate``'s replica as it is (the shortlist
+        then takes few lanes)."""
+        # A request's size needs a replica's config and beliefs, not its state: not advanced.
+        replica = candidate.replica or self.view.replica(candidate, now_s, keep_current=False, as_is=True)
+        return _off_lanes(replica, _size(request, replica, sizes))
 
     def _lane_ids(self, candidates: Sequence[InstanceView]) -> frozenset[str]:
         """:func:`lane_ids` of ``candidates``, kept while the same list is given (the live list)."""
@@ -213,11 +217,11 @@ class Block:
         limit_s = min(item.ttft_s for item in ranked) + LANE_SLACK_S
         if budget_s is not None:
             limit_s = min(limit_s, budget_s)
-        preferred = [item.candidate.instance_id not in lanes and item.ttft_s <= limit_s for item in ranked]
-        if not any(preferred):
-            return ranked
-        return ([item for item, first in zip(ranked, preferred, strict=True) if first]
-                + [item for item, first in zip(ranked, preferred, strict=True) if not first])
+        preferred: list[_Ranked] = []
+        others: list[_Ranked] = []
+        for item in ranked:
+            (preferred if item.ttft_s <= limit_s and item.candidate.instance_id not in lanes else others).append(item)
+        return preferred + others if preferred else ranked
 
 
 def lane_ids(instance_ids: Sequence[str]) -> frozenset[str]:
@@ -227,19 +231,31 @@ def lane_ids(instance_ids: Sequence[str]) -> frozenset[str]:
     return frozenset(sorted(instance_ids)[:len(instance_ids) // LANE_EVERY])
 
 
-def _keeps_off_lanes(ranked: list[_Ranked]) -> bool:
-    """Whether the request ranked in ``ranked`` is kept off the lanes, on a fleet with lanes
-    (``LANE_EVERY`` instances or more: the caller checks): no prefix cache is modelled and the request is
-    neither a long prompt (the lanes' purpose) nor a brief answer. No lanes where the
-    replicas model a prefix cache: there a prompt's prefill depends on where its prefix is
-    cached, and conversations' long histories filled the lanes (ShareGPT multi-turn, 12
-    A30s: capacity 16.71 -> 15.56 req/s with lanes)."""
-    best = ranked[0]
-    if best.replica.prefix_index is not None:
+def _off_lanes(replica: InstanceReplica, size: tuple[int, int]) -> bool:
+    """Whether a request of ``size`` (prompt, output tokens) on ``replica`` is kept off
+    the lanes, on a fleet with lanes (``LANE_EVERY`` instances or more: the caller checks):
+    no prefix cache is modelled and the request is neither a long prompt (the lanes'
+    purpose) nor a brief answer. No lanes where the replicas model a prefix cache: there a
+    prompt's prefill depends on where its prefix is cached, and conversations' long
+    histories filled the lanes (ShareGPT multi-turn, 12 A30s: capacity 16.71 -> 15.56 req/s
+    with lanes)."""
+    if replica.prefix_index is not None:
         return False
-    prompt_tokens, output_tokens = best.size
-    long_prompt_tokens = LANE_PROMPT_CHUNKS * best.replica.config.max_num_batched_tokens
+    prompt_tokens, output_tokens = size
+    long_prompt_tokens = LANE_PROMPT_CHUNKS * replica.config.max_num_batched_tokens
     return prompt_tokens < long_prompt_tokens and output_tokens > LANE_BRIEF_OUTPUT_TOKENS
+
+
+def _size(request: Request, replica: InstanceReplica, sizes: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """``request``'s size on ``replica`` (:meth:`InstanceReplica.request_size`); ``sizes``,
+    by ``max_model_len``, shares it between the candidates of a decision (the same on most
+    fleets), unless a prefix cache makes each candidate's prefill its own."""
+    if replica.prefix_index is not None:
+        return replica.request_size(request)
+    max_model_len = replica.config.max_model_len
+    if max_model_len not in sizes:
+        sizes[max_model_len] = replica.request_size(request)
+    return sizes[max_model_len]
 
 
 class BlockKvGuard(Block):

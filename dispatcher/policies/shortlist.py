@@ -10,8 +10,8 @@ simulations themselves: every candidate simulated for a request, the chosen one 
 gets ``now`` plus its simulated TTFT less the request's own prefill (what the wait there
 was). Most of the shortlist is the best known: the earliest start times (one that has
 passed counts as now), ties going to the instances simulated most recently, whose replicas
-are likeliest to be current. The rest, an eighth (at least one), explores: the instances
-never simulated, then those simulated longest ago, so that a new instance is tried soon
+are likeliest to be current. The rest, an eighth (at least one), explores: of the other
+instances, those never simulated, then those simulated longest ago, so that a new instance is tried soon
 and a belief that may be out of date is checked again (the simulation corrects it).
 Exploring is what costs: an instance not simulated for a while is older than its latest
 beat, and its replica is rebuilt first. Ties are broken at random. It is a ranking, not a
@@ -19,9 +19,10 @@ bound: the chosen instance is the best of the shortlist, which is not always the
 the fleet. docs/dispatcher.md ("Decisions and heartbeats at fleet scale") and
 docs/results/decisions-at-scale.md give what that costs in capacity.
 
-On a fleet with long-prompt lanes the best known are taken twice, of all candidates and
-of those outside the lanes, so that the lane rule
-(:meth:`dispatcher.policies.predictive.Block._lanes_last`) still has both kinds to choose from.
+On a fleet with long-prompt lanes, a request the lane rule keeps off them
+(:meth:`dispatcher.policies.predictive.Block._lanes_last`) has its best known taken among
+the other instances, and of the lanes only the :data:`LANE_CANDIDATES` best known: what the
+rule needs of them is the best TTFT there, and a lane wins only when it is far better.
 
 Pure: no clock, no I/O; the random tie-breaks come from the policy's seeded generator,
 drawn only once a shortlist is first cut (a fleet no larger than ``size`` decides exactly
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dispatcher.instance_view import InstanceView
+from dispatcher.policies.shortlist_kernel import shortlist_positions
 
 # What the dispatcher, the simulation and dispatch-bench use unless told. 16, not the 8
 # that was fastest at 1,024 instances (p99 2.17 against 2.26 ms, docs/results/decisions-at-scale.md):
@@ -52,6 +54,8 @@ EXPLORE_SHARE = 1 / 8
 NEVER_S = -1e9
 # Exact ties are broken by up to this much random jitter, in seconds.
 TIE_JITTER_S = 1e-6
+# The lanes simulated for a request kept off them (the module docstring).
+LANE_CANDIDATES = 2
 
 
 class Shortlist:
@@ -73,44 +77,40 @@ class Shortlist:
         self._position: dict[str, int] = {}
         self._starts = np.empty(0)
         self._learnt = np.empty(0)
-        self._in_lane = np.empty(0, dtype=bool)
+        self._outside_lanes = np.empty(0, dtype=bool)
 
     def cuts(self, num_candidates: int) -> bool:
         """Whether a decision among ``num_candidates`` simulates only some of them."""
         return 0 < self.size < num_candidates
 
     def select(self, candidates: Sequence[InstanceView], lanes: frozenset[str],
-               now_s: float) -> list[InstanceView]:
+               now_s: float, *, off_lanes: bool = False) -> list[InstanceView]:
         """The candidates to simulate at ``now_s`` (every one when the shortlist does not
-        cut), best believed first."""
+        cut), best believed first; ``off_lanes``: for a request kept off ``lanes``."""
         if not self.cuts(len(candidates)):
             return list(candidates)
         self._align(candidates, lanes)
         if self._jitter is None:
             self._jitter = np.random.default_rng(self.rng.getrandbits(64))
         jitter = self._jitter.random(len(candidates)) * TIE_JITTER_S
-        # Untried instances have no start time (NaN): never "known".
-        best = np.maximum(self._starts, now_s) + (now_s - self._learnt) * AGE_WEIGHT + jitter
-        best[np.isnan(best)] = np.inf
-        oldest = self._learnt + jitter
         num_explored = max(1, int(self.size * EXPLORE_SHARE))
-        explored = _smallest(oldest, num_explored)
-        chosen = np.union1d(_smallest(best, self.size - num_explored), explored)
-        if lanes:
-            outside = np.flatnonzero(~self._in_lane)
-            chosen = np.union1d(chosen, outside[_smallest(best[outside], self.size - num_explored)])
-        chosen = chosen[np.argsort(best[chosen], kind="stable")]
-        return [candidates[i] for i in chosen]
+        positions = shortlist_positions(self._starts, self._learnt, self._outside_lanes, jitter, now_s, AGE_WEIGHT,
+                                        self.size - num_explored, num_explored,
+                                        LANE_CANDIDATES if lanes and off_lanes else -1)
+        return [candidates[i] for i in positions]
 
-    def learn(self, instance_id: str, start_at_s: float, now_s: float) -> None:
-        """From a simulation at ``now_s``: a new request could start its prefill on
-        ``instance_id`` at ``start_at_s`` (the caller's clock)."""
-        self.start_at_s[instance_id] = start_at_s
-        self.learnt_at_s[instance_id] = now_s
-        position = self._position.get(instance_id)
-        if position is not None:
-            self._starts[position] = start_at_s
-            self._learnt[position] = now_s
+    def learn(self, start_at_s: dict[str, float], now_s: float) -> None:
+        """From the simulations of a decision at ``now_s``: a new request could start its
+        prefill on each instance of ``start_at_s`` at the time given (the caller's clock)."""
+        self.start_at_s.update(start_at_s)
+        self.learnt_at_s.update(dict.fromkeys(start_at_s, now_s))
+        position = self._position
+        rows = [(position[instance_id], start_s) for instance_id, start_s in start_at_s.items()
+                if instance_id in position]
+        if rows:
+            positions, starts = zip(*rows, strict=True)
+            self._starts[list(positions)] = starts
+            self._learnt[list(positions)] = now_s
 
     def _align(self, candidates: Sequence[InstanceView], lanes: frozenset[str]) -> None:
         if candidates is self._candidates and lanes is self._lanes:
@@ -122,14 +122,8 @@ class Shortlist:
         self._starts = np.array([starts.get(instance_id, np.nan) for instance_id in ids])
         # Untried instances were learnt from at NEVER_S: explored first.
         self._learnt = np.array([self.learnt_at_s.get(instance_id, NEVER_S) for instance_id in ids])
-        self._in_lane = np.array([instance_id in lanes for instance_id in ids], dtype=bool)
+        self._outside_lanes = np.array([instance_id not in lanes for instance_id in ids], dtype=bool)
         if len(starts) > 2 * len(ids):  # instances gone long ago: forget them
             self.start_at_s = {instance_id: starts[instance_id] for instance_id in ids if instance_id in starts}
             self.learnt_at_s = {instance_id: self.learnt_at_s[instance_id] for instance_id in self.start_at_s}
 
-
-def _smallest(keys: np.ndarray, count: int) -> np.ndarray:
-    """Positions of the ``count`` smallest ``keys`` (all of them when there are fewer)."""
-    if count >= len(keys):
-        return np.arange(len(keys))
-    return np.argpartition(keys, count - 1)[:count]

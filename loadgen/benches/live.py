@@ -12,6 +12,8 @@ several ``seeds`` each seed draws its own sample and arrivals, as in ``blockq si
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import json
 import os
 import subprocess
@@ -84,9 +86,10 @@ class BenchConfig:
             raise ValueError("think_time_s: must be >= 0 seconds")
         if self.engine not in ("emulated", "vllm", "vllm-http"):
             raise ValueError(f"engine: must be emulated, vllm or vllm-http (got {self.engine!r})")
-        if self.fleet is not None and (self.engine != "emulated" or self.cells != 1
-                                       or self.fleet.num_instances != self.instances):
-            raise ValueError("fleet: emulated engines in one cell, instances the fleet's size")
+        if self.fleet is not None and (self.engine != "emulated" or self.fleet.num_instances != self.instances):
+            raise ValueError("fleet: emulated engines, instances the fleet's size")
+        if self.fleet is not None:
+            self.fleet.split(self.cells)  # ValueError naming cells when a cell would be empty
 
     @property
     def all_seeds(self) -> tuple[int, ...]:
@@ -176,13 +179,19 @@ def run_one(config: BenchConfig, policy: str, rate: float, requests: list[TraceR
 
 
 def _served_per_cell(records: list[RequestRecord], config: BenchConfig) -> dict[str, int]:
-    """Requests each cell's instances served (``blockq up --cells``: instance ``inst-K``
-    is in cell K // instances-per-cell); unserved requests under ``none``."""
-    per_cell = config.instances // config.cells
+    """Requests each cell's instances served (``blockq up --cells`` numbers instances
+    ``inst-K`` cell by cell: an even split, or a fleet's by
+    :meth:`~blockq.engine_model.fleet_spec.FleetSpec.split`); unserved requests under ``none``."""
+    if config.fleet is not None:
+        sizes = [fleet.num_instances for fleet in config.fleet.split(config.cells)]
+    else:
+        sizes = [config.instances // config.cells] * config.cells
+    ends = list(itertools.accumulate(sizes))  # one past each cell's last instance index
     counts = {f"cell{cell}": 0 for cell in range(config.cells)} | {"none": 0}
     for record in records:
         index = record.instance.rpartition("-")[2] if record.instance else ""
-        counts[f"cell{int(index) // per_cell}" if index.isdigit() else "none"] += 1
+        cell = bisect.bisect_right(ends, int(index)) if index.isdigit() else len(ends)
+        counts[f"cell{cell}" if cell < len(ends) else "none"] += 1
     return counts
 
 

@@ -63,7 +63,9 @@ class SimulationConfig:
     simulating policy simulates per decision at most (0: every one;
     :mod:`dispatcher.policies.shortlist`).
     ``cells``: the fleet of ``instances`` split evenly into this many cells, each with its
-    own dispatcher, behind one front (:mod:`loadgen.simulation.multi_cell`); each cell's leader
+    own dispatcher, behind one front (:mod:`loadgen.simulation.multi_cell`; a mixed ``fleet``
+    is split by :meth:`~blockq.engine_model.fleet_spec.FleetSpec.split`, interleaved, and
+    its cells may differ in size by one); each cell's leader
     publishes its load every ``cell_load_interval_ms`` and the front reads the loads as
     often; ``cell_stale_after_ms`` and ``cell_choices`` as ``BLOCKQ_CELL_STALE_MS`` and
     ``BLOCKQ_CELL_CHOICES``. ``served``: the base models and LoRA adapters the fleet serves
@@ -133,13 +135,13 @@ class SimulationConfig:
             raise ValueError(f"noise_sigma: must be in [0, 1] (got {self.noise_sigma})")
         if not 0 <= self.slow_instances <= self.instances:
             raise ValueError(f"slow_instances: must be in [0, instances] (got {self.slow_instances})")
-        if self.cells < 1 or self.instances % self.cells:
-            raise ValueError(f"cells: must be >= 1 and divide instances (got {self.cells} cells, "
-                             f"{self.instances} instances)")
         if self.fleet is not None and self.fleet.num_instances != self.instances:
             raise ValueError(f"fleet: {self.fleet.num_instances} instances, but instances is {self.instances}")
-        if self.fleet is not None and self.cells > 1:
-            raise ValueError("fleet: a mixed fleet runs as one cell (got cells > 1)")
+        if self.fleet is not None:
+            self.fleet.split(self.cells)  # ValueError naming cells when a cell would be empty
+        elif self.cells < 1 or self.instances % self.cells:
+            raise ValueError(f"cells: must be >= 1 and divide instances (got {self.cells} cells, "
+                             f"{self.instances} instances)")
         if self.cell_load_interval_ms <= 0:
             raise ValueError(f"cell_load_interval_ms: must be > 0 (got {self.cell_load_interval_ms})")
         if not 0 < self.slow_factor <= 100:

@@ -1,13 +1,14 @@
 """Several cells behind one front, in virtual time (``blockq simulate --cells N``).
 
 Each cell is a :class:`~loadgen.simulation.cluster.ClusterSimulation` (its own dispatcher
-core, its share of the instances); the front is :class:`blockq.cells.CellFront`, the
-object the client library routes with. As live: every ``cell_load_interval_ms`` each
-cell's leader publishes :func:`dispatcher.cell_load.cell_load_of` (at its own phase), the
-front reads the latest publications as often (at its phase), and each request goes, at its
-submit time, to the cell the front chooses; it reaches that cell's dispatcher after the
-ingress delay. The cells' events and the front's run in one order (time, then source), so
-a run is a pure function of its inputs and seed.
+core, its share of the instances: :func:`cell_configs`); the front is
+:class:`blockq.cells.CellFront`, the object the client library routes with. As live: every
+``cell_load_interval_ms`` each cell's leader publishes
+:func:`dispatcher.cell_load.cell_load_of` (at its own phase), the front reads the latest
+publications as often (at its phase), and each request goes, at its submit time, to the
+cell the front chooses; it reaches that cell's dispatcher after the ingress delay. The
+cells' events and the front's run in one order (time, then source), so a run is a pure
+function of its inputs and seed.
 """
 
 from __future__ import annotations
@@ -39,11 +40,8 @@ class CellsSimulation:
 
     def __init__(self, config: SimulationConfig, *, refinements: RefinementSource | None = None) -> None:
         self.config = config
-        per_cell = config.instances // config.cells
-        self.cells = [ClusterSimulation(dataclasses.replace(config, instances=per_cell, cells=1,
-                                                            seed=config.seed + index * _CELL_SEED_STRIDE),
-                                        refinements=refinements, instance_prefix=f"c{index}-")
-                      for index in range(config.cells)]
+        self.cells = [ClusterSimulation(cell_config, refinements=refinements, instance_prefix=f"c{index}-")
+                      for index, cell_config in enumerate(cell_configs(config))]
         self.names = [f"c{index}" for index in range(config.cells)]
         rng = random.Random(f"front-{config.seed}")
         self.front = CellFront(self.names, FrontOptions(stale_after_s=config.cell_stale_after_ms / 1000,
@@ -137,6 +135,19 @@ class CellsSimulation:
         merged.num_events = merged.counters["events"] = num_events
         merged.counters.update({f"sent_{name}": self.num_sent[name] for name in self.names})
         return merged
+
+
+def cell_configs(config: SimulationConfig) -> list[SimulationConfig]:
+    """Each cell's own cluster: ``config.instances`` split evenly, or a mixed fleet split by
+    :meth:`~blockq.engine_model.fleet_spec.FleetSpec.split` (instance ``c{K}-gpu{J}`` runs
+    the preset of fleet instance ``K + J * cells``), each cell with its own seed."""
+    if config.fleet is None:
+        sizes_and_fleets = [(config.instances // config.cells, None)] * config.cells
+    else:
+        sizes_and_fleets = [(fleet.num_instances, fleet) for fleet in config.fleet.split(config.cells)]
+    return [dataclasses.replace(config, instances=num_instances, cells=1, fleet=fleet,
+                                seed=config.seed + index * _CELL_SEED_STRIDE)
+            for index, (num_instances, fleet) in enumerate(sizes_and_fleets)]
 
 
 class _IngressDelays:
