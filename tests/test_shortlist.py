@@ -11,7 +11,7 @@ import pytest
 from blockq.wire.beats import RequestProgress
 from dispatcher.cluster_view import AS_IS_S, ClusterView
 from dispatcher.core import DispatcherCore, Placed
-from dispatcher.policies import make_policy
+from dispatcher.policies import make_policy, predictive
 from dispatcher.policies.predictive import lane_ids
 from dispatcher.policies.shortlist import AGE_WEIGHT, LANE_CANDIDATES, Shortlist
 from dispatcher.policies.shortlist_kernel import shortlist_positions
@@ -143,10 +143,15 @@ def test_a_replica_ranked_as_it_is_is_advanced_until_it_is_too_old_then_rebuilt(
     assert view.num_replica_rebuilds == 2 and view.is_current(candidate)
 
 
-def test_a_decision_places_by_a_replica_rebuilt_from_the_latest_beat() -> None:
+@pytest.mark.parametrize("rank_as_is_above", [16, 1000])
+def test_a_decision_places_by_a_replica_rebuilt_from_the_latest_beat(monkeypatch: pytest.MonkeyPatch,
+                                                                     rank_as_is_above: int) -> None:
     # 41 instances, a shortlist of 4: after every instance beats again, each replica is
-    # older than its beat; the candidates are ranked on them as they are, but the instance
-    # taken is simulated on its rebuilt replica, and its forecast is the one placed with.
+    # older than its beat. Ranked on them as they are (a fleet larger than the limit), the
+    # instance taken is simulated again on its rebuilt replica, and its forecast is the one
+    # placed with; on a smaller fleet the replicas simulated were rebuilt first, and those
+    # used lately are kept current beat by beat.
+    monkeypatch.setattr(predictive, "RANK_AS_IS_ABOVE_INSTANCES", rank_as_is_above)
     beats = fleet(41, seed=4)
     core = DispatcherCore("block", seed=7, num_simulated_candidates=4)
     for beat in beats:
@@ -163,6 +168,12 @@ def test_a_decision_places_by_a_replica_rebuilt_from_the_latest_beat() -> None:
         assert isinstance(outcome, Placed)
         chosen = core.view.instances[outcome.request.assignment.instance_id]
         assert core.view.is_current(chosen)
+    simulated = [view for view in core.view.instances.values() if view.replica is not None]
+    num_current = sum(core.view.is_current(view) for view in simulated)
+    if rank_as_is_above == 1000:  # kept current: the hot replicas were rebuilt on the last beats
+        assert num_current == len(simulated)
+    else:
+        assert num_current < len(simulated)
 
 
 def _numpy_cut(starts: np.ndarray, learnt: np.ndarray, outside_lanes: np.ndarray, jitter: np.ndarray,

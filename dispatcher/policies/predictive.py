@@ -35,6 +35,12 @@ LANE_BRIEF_OUTPUT_TOKENS = 32
 # (about what a long prompt gains there); past it, near capacity, the lanes serve all.
 # Measured: 20 ms kept a third of the tail's gain, 100 ms cost 0.6 ms of mean TTFT.
 LANE_SLACK_S = 0.05
+# Fleets larger than this rank the shortlist's candidates on their replicas as they are
+# (only the instance taken is rebuilt); smaller ones keep the replicas decisions use current,
+# rebuilt on their beats. Ranking as they are cost capacity at 96 instances and keeping them
+# current cost the beat path a core at 1,024 (docs/decisions/placement.md, "Ranking as they
+# are on large fleets only").
+RANK_AS_IS_ABOVE_INSTANCES = 128
 
 
 @dataclass(slots=True)
@@ -99,10 +105,12 @@ class Block:
               bus_now_s: float | None = None) -> Decision:
         lanes = self._lane_ids(candidates)
         sizes: dict[int, tuple[int, int]] = {}
-        # On a fleet the shortlist cuts, the candidates are ranked on their replicas as they
-        # are (ClusterView.replica's ``as_is``), and none is kept current beat by beat.
-        as_is = self.shortlist.cuts(len(candidates))
-        off_lanes = as_is and bool(lanes) and self._kept_off_lanes(request, candidates[0], now_s, sizes)
+        # On a fleet the shortlist cuts, larger than RANK_AS_IS_ABOVE_INSTANCES, the candidates
+        # are ranked on their replicas as they are (ClusterView.replica's ``as_is``), and none
+        # is kept current beat by beat.
+        cut = self.shortlist.cuts(len(candidates))
+        as_is = cut and len(candidates) > RANK_AS_IS_ABOVE_INSTANCES
+        off_lanes = cut and bool(lanes) and self._kept_off_lanes(request, candidates[0], now_s, sizes)
         ranked = [self._simulated(request, candidate, now_s, sizes, as_is=as_is, keep_current=not as_is)
                   for candidate in self.shortlist.select(candidates, lanes, now_s, off_lanes=off_lanes)]
         ranked = self._ordered(request, ranked, lanes, now_s, bus_now_s)
@@ -125,7 +133,7 @@ class Block:
                 break
         chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size,
                                                       added_delay=self.objective == "e2e", model=request.model)
-        if as_is:  # the shortlist cut: it learns from what was simulated
+        if cut:  # it learns from what was simulated
             self._learn(ranked, now_s)
         return Decision(chosen.candidate.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
                         predicted_e2e_ms=chosen_forecast.e2e_s * 1000)
