@@ -154,8 +154,8 @@ def test_block_ranks_placements_that_keep_the_slo_first() -> None:
     from dispatcher.policies.predictive import _Ranked
 
     def item(name: str, ttft_s: float) -> _Ranked:
-        return _Ranked(key=(0.0, 0.0), ttft_s=ttft_s, candidate=name, replica=None, size=(1, 1),  # type: ignore[arg-type]
-                       forecast=None)
+        return _Ranked(key=(0.0, 0.0), ttft_s=ttft_s, wait_s=ttft_s, candidate=name,  # type: ignore[arg-type]
+                       replica=None, size=(1, 1), forecast=None)  # type: ignore[arg-type]
 
     now_s = 100.0
     ranked = [item("full", 5.0), item("b", 0.2), item("c", 0.1)]  # best score first

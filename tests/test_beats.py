@@ -39,6 +39,8 @@ def test_the_fast_path_decodes_as_entry_by_entry() -> None:
     (["r1", 10, 5, 1, 3, 4, None, None, 7], "the adapter must be None or a name"),
     (["r1", 10, 5, 1, 3, 4, None, None, "x" * 257], "the adapter must be None or a name"),
     ("r1", "6-, 8- or 9-element lists"),
+    (None, "6-, 8- or 9-element lists"),  # no len(): refused, not a TypeError
+    (7, "6-, 8- or 9-element lists"),
 ])
 def test_a_bad_entry_is_refused_naming_its_list(entry: object, message: str) -> None:
     data = make_heartbeat("a", running=progress(3)).to_map()

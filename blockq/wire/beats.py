@@ -232,8 +232,10 @@ def _well_formed_progress(entries: list[Any]) -> ProgressList | None:
     when any entry is not well formed (the caller then finds which, and why)."""
     if not entries:
         return ProgressList([])
+    if set(map(type, entries)) != {list}:
+        return None  # types first: len() of a non-list entry (a null, a number) would raise
     lengths = set(map(len, entries))
-    if set(map(type, entries)) != {list} or not lengths <= {6, 8, 9}:
+    if not lengths <= {6, 8, 9}:
         return None
     if 9 in lengths and not all(_is_adapter_name(entry[8]) for entry in entries if len(entry) == 9):
         return None
