@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from blockq.engine_model import kernel_cache  # noqa: F401 (drops a stale compiled cache first)
 from blockq.engine_model.packed_layout import (
     ARRIVAL,
     BLOCK_SIZE,
