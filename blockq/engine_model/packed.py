@@ -157,16 +157,17 @@ class PackedScheduler:
 
     def clone(self) -> PackedScheduler:
         """An independent copy (config, latency model and their arrays shared)."""
+        return self._with_state((self.requests.copy(), self.times.copy(), self.running.copy(), self.waiting.copy(),
+                                 self.counters.copy(), self.clock.copy()), list(self.request_ids))
+
+    def _with_state(self, state: tuple[np.ndarray, ...], request_ids: list[str]) -> PackedScheduler:
+        """A scheduler of this one's config and latency model over ``state`` (requests,
+        times, running, waiting, counters, clock: taken, not copied)."""
         other = PackedScheduler.__new__(PackedScheduler)
         other.config = self.config
         other.latency_model = self.latency_model
-        other.requests = self.requests.copy()
-        other.times = self.times.copy()
-        other.running = self.running.copy()
-        other.waiting = self.waiting.copy()
-        other.counters = self.counters.copy()
-        other.clock = self.clock.copy()
-        other.request_ids = list(self.request_ids)
+        other.requests, other.times, other.running, other.waiting, other.counters, other.clock = state
+        other.request_ids = request_ids
         other._config_array = self._config_array
         other._latency_array = self._latency_array
         other._linear_table_s = self._linear_table_s
@@ -334,15 +335,7 @@ class PackedScheduler:
             self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
             self._config_array, self._latency_array, self._linear_table_s,
             prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s, lora_id)
-        snapshot = PackedScheduler.__new__(PackedScheduler)
-        snapshot.config, snapshot.latency_model = self.config, self.latency_model
-        snapshot.requests, snapshot.times, snapshot.running, snapshot.waiting, snapshot.counters, \
-            snapshot.clock = drained
-        snapshot.request_ids = [*self.request_ids, request_id]
-        snapshot._config_array = self._config_array
-        snapshot._latency_array = self._latency_array
-        snapshot._linear_table_s = self._linear_table_s
-        return (*outputs, snapshot)
+        return (*outputs, self._with_state(drained, [*self.request_ids, request_id]))
 
     def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float,
                        lora_id: int = 0) -> tuple[float, float]:
