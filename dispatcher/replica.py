@@ -114,9 +114,10 @@ def belief_of(request: Request) -> LengthBelief:
     """The length belief carried by a request (its prediction, and truth when replayed)."""
     prediction = request.prediction
     if prediction is None:
-        return belief_from_prediction(None, true_tokens=request.true_output_tokens)
-    return belief_from_prediction(prediction.predicted_output_tokens, prediction.p10_tokens,
-                                  prediction.p90_tokens, request.true_output_tokens)
+        return _belief_in_beat(None, None, None, request.true_output_tokens)
+    # Cached as a beat's are: a decision asks twice (its size, then the replica keeps it).
+    return _belief_in_beat(prediction.predicted_output_tokens, prediction.p10_tokens, prediction.p90_tokens,
+                           request.true_output_tokens)
 
 
 class InstanceReplica:
@@ -339,7 +340,7 @@ class InstanceReplica:
         values[:, 1] = np.minimum(targets, max_model_len - prompt)
         # At its length limit, a request finishes on its next token: nothing to model.
         keep = generated_tokens < values[:, 1]
-        num_running = int(keep[:len(beat.running)].sum())
+        num_running = int(np.count_nonzero(keep[:len(beat.running)]))
         if keep.all():
             return list(ids), values, num_running, lora_ids
         kept = keep.tolist()

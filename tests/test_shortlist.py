@@ -83,8 +83,8 @@ def test_a_shortlisted_decision_is_the_best_of_those_it_simulated() -> None:
     ttft_s = {c.instance_id: forecast_ttft(view.replica(c, NOW_S), *view.replica(c, NOW_S).request_size(request))[0]
               for c in candidates}
     decision = policy.choose(request, candidates, NOW_S)
-    assert decision.instance_id in policy.shortlist.start_at_s
-    learnt = set(policy.shortlist.start_at_s)
+    assert decision.instance_id in policy.shortlist.beliefs()
+    learnt = set(policy.shortlist.beliefs())
     assert 5 <= len(learnt) <= 10
     best_learnt = min(ttft_s[i] for i in learnt)
     assert decision.predicted_ttft_ms / 1000 <= best_learnt + 0.05  # lane slack at most
@@ -223,15 +223,15 @@ def test_a_request_kept_off_the_lanes_simulates_only_the_best_lanes(prompt_words
     # The others were learnt earlier: the one explored is one of them.
     policy.shortlist.learn({c.instance_id: NOW_S + 5 for c in candidates if c.instance_id not in lanes}, NOW_S - 1)
     request = make_request("x " * prompt_words, max_tokens=800, predicted=100, submitted_at_s=NOW_S)
-    before = dict(policy.shortlist.learnt_at_s)
+    before = policy.shortlist.beliefs()
     policy.choose(request, candidates, NOW_S + 0.01)
-    simulated = {i for i, at_s in policy.shortlist.learnt_at_s.items() if at_s != before.get(i)}
+    simulated = {i for i, belief in policy.shortlist.beliefs().items() if belief != before.get(i)}
     assert len(simulated & lanes) == lanes_simulated
     # 4 best known (of all, or of the others and the best lanes besides) and 1 explored
     assert len(simulated) == (5 if lanes_simulated == 4 else 4 + LANE_CANDIDATES + 1)
 
 
-def test_a_forecast_without_the_added_delay_leaves_out_only_that() -> None:
+def test_a_forecast_short_of_the_whole_run_leaves_out_only_what_needs_it() -> None:
     from dispatcher.what_if import forecast
 
     view = ClusterView(keep_replicas=True)
@@ -240,8 +240,29 @@ def test_a_forecast_without_the_added_delay_leaves_out_only_that() -> None:
     view = ClusterView(keep_replicas=True)  # a replica just rebuilt: no baseline future yet
     view.apply_heartbeat(loaded_beat("i0", random.Random(5), num_waiting=6), NOW_S)
     replica = view.replica(view.instances["i0"], NOW_S)
-    brief = forecast(replica, "a", 300, 200, keep=False, added_delay=False)
-    assert full.added_delay_s > 0 and np.isnan(brief.added_delay_s)
-    assert (brief.ttft_s, brief.e2e_s, brief.max_latency_s, brief.num_preemptions) == (
-        full.ttft_s, full.e2e_s, full.max_latency_s, full.num_preemptions)
+    brief = forecast(replica, "a", 300, 200, keep=False, whole_run=False)
+    assert full.added_delay_s > 0 and np.isnan(brief.added_delay_s) and np.isnan(brief.max_latency_s)
+    assert full.max_latency_s > full.e2e_s  # others finish after it: the brief run stopped before them
+    assert (brief.ttft_s, brief.e2e_s) == (full.ttft_s, full.e2e_s)
     assert replica.baseline()._finished_at_s is None  # the baseline's future was not run
+
+
+def test_a_request_placed_by_a_brief_run_leaves_a_baseline_whose_future_is_whole() -> None:
+    """Placed by a run that stopped at its own finish, the request's run is still the next
+    baseline (its queue-drain snapshot), and that baseline's finish times are the whole
+    run's, simulated when first asked for."""
+    from dispatcher.what_if import forecast
+
+    placed = []
+    for whole_run in (True, False):
+        view = ClusterView(keep_replicas=True)
+        view.apply_heartbeat(loaded_beat("i0", random.Random(5), num_waiting=6), NOW_S)
+        replica = view.replica(view.instances["i0"], NOW_S)
+        request = make_request("x " * 50, max_tokens=800, predicted=100, submitted_at_s=NOW_S)
+        forecast(replica, request.id, *replica.request_size(request), whole_run=whole_run)
+        replica.add_assignment(request)
+        placed.append(replica.baseline())
+    whole, brief = placed
+    assert brief._finished_at_s is None
+    np.testing.assert_array_equal(brief.finished_at_s, whole.finished_at_s)
+    np.testing.assert_array_equal(brief.snapshot.times, whole.snapshot.times)

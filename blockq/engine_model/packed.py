@@ -322,19 +322,20 @@ class PackedScheduler:
 
     def what_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float,
                 baseline_finished_at_s: np.ndarray, request_id: str = "what-if", lora_id: int = 0,
-                ) -> tuple[float, float, float, float, int, np.ndarray, PackedScheduler]:
+                whole_run: bool = True) -> tuple[float, float, float, float, int, np.ndarray, PackedScheduler]:
         """:func:`.packed_kernel.what_if` on this state (unchanged): a request of this size
-        (and adapter: ``lora_id``, 0 none) appended and everything simulated to the end, in
-        one compiled call; last, the run's queue-drain snapshot (what :meth:`add_request` of
+        (and adapter: ``lora_id``, 0 none) appended and everything simulated to the end
+        (without ``whole_run``: to the request's own finish), in one compiled call; last, the run's queue-drain snapshot (what :meth:`add_request` of
         ``request_id`` then :meth:`queue_drain_snapshot` give, without simulating its steps
-        again). ``baseline_finished_at_s`` must cover every current row."""
-        if len(baseline_finished_at_s) < self.num_rows:
+        again). ``baseline_finished_at_s`` must cover every current row (unread without
+        ``whole_run``)."""
+        if whole_run and len(baseline_finished_at_s) < self.num_rows:
             raise ValueError("baseline_finished_at_s: must have a time for every row")
         output_tokens = min(output_tokens, self.config.max_model_len - prompt_tokens)
         *outputs, drained = kernel.what_if(
             self.requests, self.times, self.running, self.waiting, self.counters, self.clock,
             self._config_array, self._latency_array, self._linear_table_s,
-            prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s, lora_id)
+            prompt_tokens, output_tokens, arrival_s, baseline_finished_at_s, lora_id, whole_run)
         return (*outputs, self._with_state(drained, [*self.request_ids, request_id]))
 
     def first_token_if(self, prompt_tokens: int, output_tokens: int, arrival_s: float,

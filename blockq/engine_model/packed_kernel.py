@@ -237,10 +237,13 @@ def first_token_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray,
 def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waiting: np.ndarray,
             counters: np.ndarray, clock: np.ndarray, config: np.ndarray, latency: np.ndarray,
             linear_table_s: np.ndarray, prompt_tokens: int, output_tokens: int, arrival_s: float,
-            baseline_finished_at_s: np.ndarray, lora_id: int = 0) -> tuple[float, float, float, float, int, np.ndarray,
-                                                                           tuple[np.ndarray, ...]]:
-    """Append a request to a copy of the state and simulate until everything finishes;
-    the state itself is not changed. ``output_tokens`` must already fit ``max_model_len``.
+            baseline_finished_at_s: np.ndarray, lora_id: int = 0,
+            whole_run: bool = True) -> tuple[float, float, float, float, int, np.ndarray, tuple[np.ndarray, ...]]:
+    """Append a request to a copy of the state and simulate until everything finishes
+    (without ``whole_run``: until the request itself does; the added delay and the latest
+    finish are then NaN, ``baseline_finished_at_s`` is not read, the preemptions and the
+    finish times are those up to there); the
+    state itself is not changed. ``output_tokens`` must already fit ``max_model_len``.
 
     Returns, in seconds after ``arrival_s``: the request's first token and finish, the
     sum over the rows already there of how much later each finishes than in
@@ -260,17 +263,18 @@ def what_if(requests: np.ndarray, times: np.ndarray, running: np.ndarray, waitin
     drained = (new_requests.copy(), new_times.copy(), new_running.copy(), new_waiting.copy(),
                new_counters.copy(), new_clock.copy())
     simulate(new_requests, new_times, new_running, new_waiting, new_counters, new_clock, config,
-             latency, linear_table_s, np.inf, -1, 1 << 62)
-    added_delay_s = 0.0
-    latest_s = new_times[num_rows, FINISHED]
-    for row in range(num_rows):
-        finish_s = new_times[row, FINISHED]
-        if np.isnan(finish_s):
-            continue
-        latest_s = max(latest_s, finish_s)
-        before_s = baseline_finished_at_s[row]
-        if finish_s > before_s:
-            added_delay_s += finish_s - before_s
+             latency, linear_table_s, np.inf, -1 if whole_run else num_rows, 1 << 62)
+    added_delay_s = latest_s = np.nan
+    if whole_run:
+        added_delay_s, latest_s = 0.0, new_times[num_rows, FINISHED]
+        for row in range(num_rows):
+            finish_s = new_times[row, FINISHED]
+            if np.isnan(finish_s):
+                continue
+            latest_s = max(latest_s, finish_s)
+            before_s = baseline_finished_at_s[row]
+            if finish_s > before_s:
+                added_delay_s += finish_s - before_s
     finished_s = new_times[num_rows, FINISHED]
     first_token_s = new_times[num_rows, FIRST_TOKEN]
     if np.isnan(first_token_s):

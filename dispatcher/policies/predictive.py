@@ -91,6 +91,9 @@ class Block:
         self.objective = options.objective
         self.slo_ttft_ms = options.slo_ttft_ms
         self.shortlist = Shortlist(options.num_simulated_candidates, rng)
+        # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
+        # one's run to its end (the replica's next baseline, the predicted E2E) follows.
+        self._ranks_by_first_token = self.objective == "ttft" and not self.kv_guard_candidates
         self._lanes: tuple[Sequence[InstanceView] | None, frozenset[str]] = (None, frozenset())
 
     def forecast(self, request: Request, candidate: InstanceView, now_s: float) -> Forecast:
@@ -132,7 +135,7 @@ class Block:
                 chosen = item
                 break
         chosen_forecast = chosen.forecast or forecast(chosen.replica, request.id, *chosen.size,
-                                                      added_delay=self.objective == "e2e", model=request.model)
+                                                      whole_run=self.objective != "ttft", model=request.model)
         if cut:  # it learns from what was simulated
             self._learn(ranked, now_s)
         return Decision(chosen.candidate.instance_id, predicted_ttft_ms=chosen_forecast.ttft_s * 1000,
@@ -153,12 +156,9 @@ class Block:
         """``candidate`` simulated with the request (``as_is``: on its replica as it is,
         when that was rebuilt recently enough; ``keep_current``: its next beats rebuild it:
         :meth:`ClusterView.replica`). ``sizes``: as :func:`_size` shares them."""
-        # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
-        # one's run to the end (the replica's next baseline, the predicted E2E) follows.
-        ttft_only = self.objective == "ttft" and not self.kv_guard_candidates
         replica = self.view.replica(candidate, now_s, keep_current=keep_current, as_is=as_is)
         size = _size(request, replica, sizes)
-        if ttft_only:
+        if self._ranks_by_first_token:
             candidate_forecast = None
             ttft_s, prefill_s = forecast_ttft(replica, *size, model=request.model)
             score = ttft_s

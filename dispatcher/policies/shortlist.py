@@ -68,10 +68,11 @@ class Shortlist:
         self.size = size
         self.rng = rng
         self._jitter: np.random.Generator | None = None
-        self.start_at_s: dict[str, float] = {}
-        self.learnt_at_s: dict[str, float] = {}
-        # Arrays aligned with the candidate list last given (the live list, unchanged until
-        # the fleet's health changes): rebuilt only when another list is given.
+        # What was learnt, by instance: start time and when learnt. Kept in arrays aligned
+        # with the candidate list last given (the live list, unchanged until the fleet's
+        # health changes; rebuilt only when another list is given), and here for the
+        # instances outside it.
+        self._off_list: dict[str, tuple[float, float]] = {}
         self._candidates: Sequence[InstanceView] | None = None
         self._lanes: frozenset[str] | None = None
         self._position: dict[str, int] = {}
@@ -102,28 +103,38 @@ class Shortlist:
     def learn(self, start_at_s: dict[str, float], now_s: float) -> None:
         """From the simulations of a decision at ``now_s``: a new request could start its
         prefill on each instance of ``start_at_s`` at the time given (the caller's clock)."""
-        self.start_at_s.update(start_at_s)
-        self.learnt_at_s.update(dict.fromkeys(start_at_s, now_s))
         position = self._position
-        rows = [(position[instance_id], start_s) for instance_id, start_s in start_at_s.items()
-                if instance_id in position]
-        if rows:
-            positions, starts = zip(*rows, strict=True)
-            self._starts[list(positions)] = starts
-            self._learnt[list(positions)] = now_s
+        if not position.keys() >= start_at_s.keys():  # not among the candidates last given
+            self._off_list.update((instance_id, (start_s, now_s)) for instance_id, start_s in start_at_s.items()
+                                  if instance_id not in position)
+            start_at_s = {instance_id: start_s for instance_id, start_s in start_at_s.items() if instance_id in position}
+        if start_at_s:
+            positions = list(map(position.__getitem__, start_at_s))
+            self._starts[positions] = list(start_at_s.values())
+            self._learnt[positions] = now_s
+
+    def beliefs(self) -> dict[str, tuple[float, float]]:
+        """Every instance learnt about: (when a new request could start there, when learnt)."""
+        beliefs = dict(self._off_list)
+        starts, learnt = self._starts.tolist(), self._learnt.tolist()
+        beliefs.update((instance_id, (starts[i], learnt[i])) for instance_id, i in self._position.items()
+                       if learnt[i] != NEVER_S)
+        return beliefs
 
     def _align(self, candidates: Sequence[InstanceView], lanes: frozenset[str]) -> None:
         if candidates is self._candidates and lanes is self._lanes:
             return
+        beliefs = self.beliefs()
         self._candidates, self._lanes = candidates, lanes
         ids = [candidate.instance_id for candidate in candidates]
         self._position = {instance_id: i for i, instance_id in enumerate(ids)}
-        starts = self.start_at_s
-        self._starts = np.array([starts.get(instance_id, np.nan) for instance_id in ids])
         # Untried instances were learnt from at NEVER_S: explored first.
-        self._learnt = np.array([self.learnt_at_s.get(instance_id, NEVER_S) for instance_id in ids])
+        untried = (np.nan, NEVER_S)
+        self._starts, self._learnt = np.array([beliefs.get(instance_id, untried) for instance_id in ids],
+                                              np.float64).reshape(-1, 2).T.copy()
         self._outside_lanes = np.array([instance_id not in lanes for instance_id in ids], dtype=bool)
-        if len(starts) > 2 * len(ids):  # instances gone long ago: forget them
-            self.start_at_s = {instance_id: starts[instance_id] for instance_id in ids if instance_id in starts}
-            self.learnt_at_s = {instance_id: self.learnt_at_s[instance_id] for instance_id in self.start_at_s}
+        # Instances gone long ago are forgotten.
+        off_list = beliefs.keys() - self._position.keys()
+        self._off_list = {instance_id: beliefs[instance_id] for instance_id in off_list} \
+            if len(off_list) <= len(ids) else {}
 
