@@ -157,10 +157,10 @@ class ClusterView:
         if view is not None and view.heard and beat.seq <= view.heartbeat.seq \
                 and beat.sent_at_s <= view.heartbeat.sent_at_s:
             return view
-        self._check(view, beat)
+        listed_ids = self._check(view, beat)
         saved = _saved(view)
         try:
-            return self._take(view, beat, now_s, heard_at_s)
+            return self._take(view, beat, now_s, heard_at_s, listed_ids)
         except Exception:
             # All or nothing: the instance stays as it was (a new one stays unknown), and
             # its replica, which may be half rebuilt, is made again from its previous beat.
@@ -173,7 +173,8 @@ class ClusterView:
             self._live = None
             raise
 
-    def _take(self, view: InstanceView | None, beat: Heartbeat, now_s: float, heard_at_s: float) -> InstanceView:
+    def _take(self, view: InstanceView | None, beat: Heartbeat, now_s: float, heard_at_s: float,
+              listed_ids: list[str] | None) -> InstanceView:
         if view is None:
             view = InstanceView(beat.instance_id, beat, heard_at_s)
             self.instances[beat.instance_id] = view
@@ -198,7 +199,7 @@ class ClusterView:
             view.left_reported = False
         if beat.state not in (InstanceState.DRAINING, InstanceState.STOPPED):
             view.drain_reported = False  # back to work: a later drain is reported again
-        self._reconcile(view, beat)
+        self._reconcile(view, beat, listed_ids)
         if view.replica is None and self.keep_replicas and beat.state == InstanceState.LIVE:
             self._create_replica(view)
         if view.replica is not None:
@@ -221,20 +222,22 @@ class ClusterView:
         self.instances[beat.instance_id] = InstanceView(beat.instance_id, beat, float("-inf"), health=health,
                                                         heard=False)
 
-    def _check(self, view: InstanceView | None, beat: Heartbeat) -> None:
+    def _check(self, view: InstanceView | None, beat: Heartbeat) -> list[str] | None:
         """Refuse (ValueError) what is new in ``beat`` and unusable (the same dicts as the
         last heard beat's were checked then): an engine config the engine model refuses,
         whatever the policy (every policy computes with it: one with ``block_size`` 0 was
         applied where no replica is kept, and each placement then divided by it), and,
-        where a replica will be built from it, a latency model that does not build."""
+        where a replica will be built from it, a latency model that does not build or
+        request lists it could not be rebuilt from. Returns the listed request ids when
+        it read them (None otherwise)."""
         new_config = view is None or not view.heard or beat.engine_config != view.heartbeat.engine_config
         if new_config:
             EngineConfig.from_dict(beat.engine_config)
         if not self.keep_replicas and (view is None or view.replica is None):
-            return
+            return None
         if new_config or view is None or view.replica is None or beat.latency_model != view.heartbeat.latency_model:
             self.latency_model_of(beat)
-        _check_restorable(beat)
+        return _check_restorable(beat)
 
     def _create_replica(self, view: InstanceView) -> None:
         """A replica for ``view``, not built yet (stale: the next :meth:`replica` builds it)."""
@@ -252,11 +255,10 @@ class ClusterView:
         view.replica_built_at_s = now_wall_s
         self.num_replica_rebuilds += 1
 
-    def _reconcile(self, view: InstanceView, beat: Heartbeat) -> None:
+    def _reconcile(self, view: InstanceView, beat: Heartbeat, listed_ids: list[str] | None) -> None:
         if not view.assigned_not_seen and not view.batch_request_ids:
             return
-        seen = set(progress_column(beat.running, 0))
-        seen.update(progress_column(beat.waiting, 0))
+        seen = set(listed_request_ids(beat) if listed_ids is None else listed_ids)
         seen.update(beat.finished_ids)
         for request_id in seen & view.assigned_not_seen.keys():
             del view.assigned_not_seen[request_id]
@@ -344,16 +346,23 @@ class ClusterView:
         self._live = None
 
 
-def _check_restorable(beat: Heartbeat) -> None:
+def listed_request_ids(beat: Heartbeat) -> list[str]:
+    """The ids of the requests ``beat`` lists, running then waiting."""
+    return progress_column(beat.running, 0) + progress_column(beat.waiting, 0)
+
+
+def _check_restorable(beat: Heartbeat) -> list[str]:
     """Refuse (ValueError) a beat a replica could not be rebuilt from: a request listed
-    twice, or with no prompt. The rebuild happens later, inside a decision
-    (:meth:`ClusterView.replica`), so what it would refuse is refused here, with the beat."""
-    ids = progress_column(beat.running, 0) + progress_column(beat.waiting, 0)
+    twice, or with no prompt; returns the listed ids (reconciling reads them too). The
+    rebuild happens later, inside a decision (:meth:`ClusterView.replica`), so what it
+    would refuse is refused here, with the beat."""
+    ids = listed_request_ids(beat)
     if len(set(ids)) != len(ids):
         raise ValueError("running, waiting: a request is listed twice")
     prompt_tokens = progress_column(beat.running, 1) + progress_column(beat.waiting, 1)
     if prompt_tokens and min(prompt_tokens) < 1:
         raise ValueError("running, waiting: prompt_tokens must be >= 1")
+    return ids
 
 
 def _saved(view: InstanceView | None) -> InstanceView | None:

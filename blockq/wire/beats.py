@@ -313,7 +313,7 @@ def progress_values(progress: Sequence[RequestProgress]) -> Sequence[Sequence[An
     """A beat's list entry by entry as :class:`RequestProgress` fields in order (a decoded
     one's entries as decoded, 6, 8 or 9 values, without making them into entries: a replica
     rebuild reads every entry once)."""
-    if isinstance(progress, ProgressList):
+    if type(progress) is ProgressList:  # not isinstance: a Sequence's check is an ABC's, every beat
         return progress.values()
     return progress
 
@@ -321,7 +321,7 @@ def progress_values(progress: Sequence[RequestProgress]) -> Sequence[Sequence[An
 def progress_column(progress: Sequence[RequestProgress], position: int) -> list[Any]:
     """One field of every entry of a beat's list (0: the request ids, 1: the prompt
     tokens), of a decoded one without making its entries."""
-    if isinstance(progress, ProgressList):
+    if type(progress) is ProgressList:
         return progress.column(position)
     return list(map(itemgetter(position), progress))
 
