@@ -171,7 +171,7 @@ class InstanceReplica:
         """Rebuild from ``beat`` (already observed: :meth:`observe_beat`), advance to now,
         add the assignments the beat lacks."""
         self._beat = beat
-        self._follow_adapters(beat)
+        self._follow_adapters(beat)  # a replica made after its beat was applied has not observed it
         measured_s = min(MAX_DELIVERY_S, (beat.delivery_p90_ms or 0.0) / 1000)
         self.delivery_s = max(self.min_delivery_s, measured_s)
         # The state holds at a step boundary (the end of the step under way when the

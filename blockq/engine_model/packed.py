@@ -325,9 +325,10 @@ class PackedScheduler:
                 whole_run: bool = True) -> tuple[float, float, float, float, int, np.ndarray, PackedScheduler]:
         """:func:`.packed_kernel.what_if` on this state (unchanged): a request of this size
         (and adapter: ``lora_id``, 0 none) appended and everything simulated to the end
-        (without ``whole_run``: to the request's own finish), in one compiled call; last, the run's queue-drain snapshot (what :meth:`add_request` of
-        ``request_id`` then :meth:`queue_drain_snapshot` give, without simulating its steps
-        again). ``baseline_finished_at_s`` must cover every current row (unread without
+        (without ``whole_run``: to the request's own finish), in one compiled call; last,
+        the run's queue-drain snapshot (what :meth:`add_request` of ``request_id`` then
+        :meth:`queue_drain_snapshot` give, without simulating its steps again).
+        ``baseline_finished_at_s`` must cover every current row (unread without
         ``whole_run``)."""
         if whole_run and len(baseline_finished_at_s) < self.num_rows:
             raise ValueError("baseline_finished_at_s: must have a time for every row")

@@ -92,7 +92,8 @@ class Block:
         self.slo_ttft_ms = options.slo_ttft_ms
         self.shortlist = Shortlist(options.num_simulated_candidates, rng)
         # Ranking by TTFT needs only each candidate's run up to the first token; the chosen
-        # one's run to its end (the replica's next baseline, the predicted E2E) follows.
+        # one's run on to its request's finish (the predicted E2E, the replica's next
+        # baseline) follows.
         self._ranks_by_first_token = self.objective == "ttft" and not self.kv_guard_candidates
         self._lanes: tuple[Sequence[InstanceView] | None, frozenset[str]] = (None, frozenset())
 
