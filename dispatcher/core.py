@@ -112,7 +112,7 @@ class DispatcherCore:
     against the request's objective and deadline (:mod:`dispatcher.admission`), and one
     predicted to miss them is answered :class:`Infeasible` instead of placed.
     ``num_simulated_candidates``: how many candidates a simulating policy simulates per
-    decision at most (0: every one; :mod:`dispatcher.policies.shortlist`)."""
+    decision at most (0: every one; None: by the fleet's size; :mod:`dispatcher.policies.shortlist`)."""
 
     def __init__(self, policy_name: str, *, seed: int | None = None, objective: str = DEFAULT_OBJECTIVE,
                  lengths: str | None = None, health_policy: HealthPolicy | None = None,
@@ -121,7 +121,7 @@ class DispatcherCore:
                  prior_latency_model: StepLatencyModel | None = None,
                  forecast_check: ForecastCheckOptions | None = None,
                  prefix_scheme: PrefixScheme = PROJECT_SCHEME,
-                 num_simulated_candidates: int = 0) -> None:
+                 num_simulated_candidates: int | None = 0) -> None:
         self.view = make_view(policy_name, lengths=lengths, health_policy=health_policy,
                               prior_latency_model=prior_latency_model, prefix_scheme=prefix_scheme)
         self.policy: Policy = make_policy(policy_name, self.view, seed=seed, objective=objective,

@@ -85,11 +85,12 @@ class DispatcherOptions:
     dead_after_s: float = 5.0
     max_unplaced: int = 10_000
     replace_chunk_entries: int = DEFAULT_CHUNK_ENTRIES  # queue entries re-placed per step at most
-    # Candidates a simulating policy simulates per decision at most (0: every live instance).
-    num_simulated_candidates: int = DEFAULT_SIMULATED_CANDIDATES
+    # Candidates a simulating policy simulates per decision at most (0: every live instance;
+    # None: by the fleet's size, dispatcher.policies.shortlist.default_size).
+    num_simulated_candidates: int | None = DEFAULT_SIMULATED_CANDIDATES
 
     def __post_init__(self) -> None:
-        if self.num_simulated_candidates < 0:
+        if self.num_simulated_candidates is not None and self.num_simulated_candidates < 0:
             raise ValueError(f"num_simulated_candidates: must be >= 0 (got {self.num_simulated_candidates})")
 
 

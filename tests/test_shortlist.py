@@ -13,7 +13,14 @@ from dispatcher.cluster_view import AS_IS_S, ClusterView
 from dispatcher.core import DispatcherCore, Placed
 from dispatcher.policies import make_policy, predictive
 from dispatcher.policies.predictive import lane_ids
-from dispatcher.policies.shortlist import AGE_WEIGHT, LANE_CANDIDATES, Shortlist
+from dispatcher.policies.shortlist import (
+    AGE_WEIGHT,
+    LANE_CANDIDATES,
+    LARGE_FLEET_ABOVE_INSTANCES,
+    LARGE_FLEET_CANDIDATES,
+    SMALL_FLEET_CANDIDATES,
+    Shortlist,
+)
 from dispatcher.policies.shortlist_kernel import shortlist_positions
 from dispatcher.what_if import forecast_ttft
 from tests.factories import make_heartbeat, make_request
@@ -117,6 +124,21 @@ def test_select_takes_the_best_known_and_explores_the_untried_then_the_oldest() 
     assert [c.instance_id for c in shortlist.select(candidates, frozenset({"i1"}), NOW_S)][0] == "i1"
     assert not Shortlist(6, random.Random(0)).cuts(6) and Shortlist(5, random.Random(0)).cuts(6)
     assert not Shortlist(0, random.Random(0)).cuts(1000)
+
+
+def test_unless_told_a_large_fleet_simulates_fewer_candidates() -> None:
+    # None: by the fleet's size. Up to the limit, every one of 16 instances is simulated
+    # (exactly as without a shortlist) and 17 are cut to 16; above it, 8.
+    view = ClusterView()
+    for k in range(LARGE_FLEET_ABOVE_INSTANCES + 1):
+        view.apply_heartbeat(make_heartbeat(f"i{k:03d}", sent_at_s=NOW_S), NOW_S)
+    candidates = view.live_instances()
+    shortlist = Shortlist(None, random.Random(0))
+    assert not shortlist.cuts(SMALL_FLEET_CANDIDATES) and shortlist.cuts(SMALL_FLEET_CANDIDATES + 1)
+    assert shortlist.size_for(LARGE_FLEET_ABOVE_INSTANCES) == SMALL_FLEET_CANDIDATES
+    assert len(shortlist.select(candidates[:LARGE_FLEET_ABOVE_INSTANCES], frozenset(), NOW_S)) == SMALL_FLEET_CANDIDATES
+    assert len(shortlist.select(candidates, frozenset(), NOW_S)) == LARGE_FLEET_CANDIDATES
+    assert Shortlist(16, random.Random(0)).size_for(len(candidates)) == 16  # a size given holds at any size
 
 
 def test_a_negative_shortlist_is_refused() -> None:

@@ -68,7 +68,7 @@ def make_view(name: str, *, lengths: str | None = None, **options: object) -> Cl
 
 def make_policy(name: str, view: ClusterView | None = None, *, seed: int | None = None,
                 objective: str = DEFAULT_OBJECTIVE, slo_ttft_ms: float | None = None,
-                num_simulated_candidates: int = 0) -> Policy:
+                num_simulated_candidates: int | None = 0) -> Policy:
     """The policy registered as ``name`` on ``view`` (a new one for it when None); the
     options are :class:`PolicyOptions`'."""
     spec = policy_spec(name)

@@ -25,15 +25,15 @@ class PolicyOptions:
     """What a policy is told at construction: the objective it scores by (policies that
     simulate), the TTFT objective of interactive requests that carry none (None: none;
     see :mod:`dispatcher.admission`) and, for ``block`` and ``oracle``, how many
-    candidates a decision simulates at most (0: every one;
+    candidates a decision simulates at most (0: every one; None: by the fleet's size;
     :mod:`dispatcher.policies.shortlist`)."""
 
     objective: str = DEFAULT_OBJECTIVE
     slo_ttft_ms: float | None = None
-    num_simulated_candidates: int = 0
+    num_simulated_candidates: int | None = 0
 
     def __post_init__(self) -> None:
-        if self.num_simulated_candidates < 0:
+        if self.num_simulated_candidates is not None and self.num_simulated_candidates < 0:
             raise ValueError(f"num_simulated_candidates: must be >= 0, 0 for every candidate "
                              f"(got {self.num_simulated_candidates})")
 

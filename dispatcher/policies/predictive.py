@@ -14,7 +14,7 @@ from dispatcher.admission import ttft_budget_s
 from dispatcher.cluster_view import ClusterView
 from dispatcher.instance_view import InstanceView
 from dispatcher.policies.base import Decision, PolicyOptions
-from dispatcher.policies.shortlist import Shortlist
+from dispatcher.policies.shortlist import LARGE_FLEET_ABOVE_INSTANCES, Shortlist
 from dispatcher.replica import InstanceReplica
 from dispatcher.what_if import OBJECTIVES, Forecast, forecast, forecast_ttft
 
@@ -39,8 +39,9 @@ LANE_SLACK_S = 0.05
 # (only the instance taken is rebuilt); smaller ones keep the replicas decisions use current,
 # rebuilt on their beats. Ranking as they are cost capacity at 96 instances and keeping them
 # current cost the beat path a core at 1,024 (docs/decisions/placement.md, "Ranking as they
-# are on large fleets only").
-RANK_AS_IS_ABOVE_INSTANCES = 128
+# are on large fleets only"). Such fleets also simulate fewer candidates unless told
+# (dispatcher.policies.shortlist.default_size).
+RANK_AS_IS_ABOVE_INSTANCES = LARGE_FLEET_ABOVE_INSTANCES
 
 
 @dataclass(slots=True)
@@ -75,9 +76,9 @@ class Block:
     median run is passed over for the next best, among the best ``kv_guard_candidates``;
     if all of them would, the best one is taken.
 
-    On a fleet of more than ``num_simulated_candidates`` (> 0) instances, only the
-    candidates of a :class:`~dispatcher.policies.shortlist.Shortlist` of that size are
-    simulated."""
+    On a fleet larger than the shortlist (``num_simulated_candidates`` > 0, or None: by the
+    fleet's size), only the candidates of a :class:`~dispatcher.policies.shortlist.Shortlist`
+    are simulated."""
 
     name = "block"
     kv_guard_candidates = 0

@@ -39,11 +39,21 @@ import numpy as np
 from dispatcher.instance_view import InstanceView
 from dispatcher.policies.shortlist_kernel import shortlist_positions
 
-# What the dispatcher, the simulation and dispatch-bench use unless told. 16, not the 8
-# that was fastest at 1,024 instances (p99 2.17 against 2.26 ms, docs/results/decisions-at-scale.md):
-# a fleet of up to 16 instances (the paper's 12, the demo's) then decides exactly as
-# without a shortlist, so every figure measured on one stands.
-DEFAULT_SIMULATED_CANDIDATES = 16
+# What the dispatcher, the simulation and dispatch-bench use unless told: a size by the
+# fleet's (None: :func:`default_size`).
+DEFAULT_SIMULATED_CANDIDATES: int | None = None
+# Fleets of up to this many instances keep the replicas decisions use current, larger ones
+# rank on them as they are (dispatcher.policies.predictive.RANK_AS_IS_ABOVE_INSTANCES).
+LARGE_FLEET_ABOVE_INSTANCES = 128
+# Up to LARGE_FLEET_ABOVE_INSTANCES: 16, so that a fleet of up to 16 instances (the paper's
+# 12, the demo's) decides exactly as without a shortlist and every figure measured on one
+# stands, and 96 instances keep their capacity within 1 % of simulating all
+# (docs/results/decisions-at-scale.md). Above: 8, a third fewer simulations a decision at
+# 1,024 instances (2,381-2,543 against 1,749-1,920 decisions/s) for 0.994x the capacity
+# where candidates are ranked as they are (96 instances, seeds 1-3: docs/decisions/placement.md,
+# "Eight candidates on large fleets").
+SMALL_FLEET_CANDIDATES = 16
+LARGE_FLEET_CANDIDATES = 8
 # Start times of equal worth are told apart by how long ago they were learnt, this many
 # seconds per second: far below any difference a simulation makes.
 AGE_WEIGHT = 1e-6
@@ -58,12 +68,18 @@ TIE_JITTER_S = 1e-6
 LANE_CANDIDATES = 2
 
 
+def default_size(num_candidates: int) -> int:
+    """The shortlist's size, unless one is given, for a decision among ``num_candidates``."""
+    return SMALL_FLEET_CANDIDATES if num_candidates <= LARGE_FLEET_ABOVE_INSTANCES else LARGE_FLEET_CANDIDATES
+
+
 class Shortlist:
     """The candidates to simulate, and what the last simulations taught (see the module
-    docstring). ``size``: how many candidates a decision simulates (0: every one)."""
+    docstring). ``size``: how many candidates a decision simulates (0: every one; None:
+    :func:`default_size`)."""
 
-    def __init__(self, size: int, rng: random.Random) -> None:
-        if size < 0:
+    def __init__(self, size: int | None, rng: random.Random) -> None:
+        if size is not None and size < 0:
             raise ValueError(f"num_simulated_candidates: must be >= 0 (got {size})")
         self.size = size
         self.rng = rng
@@ -80,9 +96,13 @@ class Shortlist:
         self._learnt = np.empty(0)
         self._outside_lanes = np.empty(0, dtype=bool)
 
+    def size_for(self, num_candidates: int) -> int:
+        """How many candidates a decision among ``num_candidates`` simulates at most (0: every one)."""
+        return default_size(num_candidates) if self.size is None else self.size
+
     def cuts(self, num_candidates: int) -> bool:
         """Whether a decision among ``num_candidates`` simulates only some of them."""
-        return 0 < self.size < num_candidates
+        return 0 < self.size_for(num_candidates) < num_candidates
 
     def select(self, candidates: Sequence[InstanceView], lanes: frozenset[str],
                now_s: float, *, off_lanes: bool = False) -> list[InstanceView]:
@@ -94,9 +114,10 @@ class Shortlist:
         if self._jitter is None:
             self._jitter = np.random.default_rng(self.rng.getrandbits(64))
         jitter = self._jitter.random(len(candidates)) * TIE_JITTER_S
-        num_explored = max(1, int(self.size * EXPLORE_SHARE))
+        size = self.size_for(len(candidates))
+        num_explored = max(1, int(size * EXPLORE_SHARE))
         positions = shortlist_positions(self._starts, self._learnt, self._outside_lanes, jitter, now_s, AGE_WEIGHT,
-                                        self.size - num_explored, num_explored,
+                                        size - num_explored, num_explored,
                                         LANE_CANDIDATES if lanes and off_lanes else -1)
         return [candidates[i] for i in positions]
 

@@ -29,7 +29,7 @@ from blockq.wire.health import InstanceState
 from blockq.wire.keys import Keys
 from blockq.wire.protocol import Prediction, Request
 from dispatcher.core import DispatcherCore, Placed
-from dispatcher.policies.shortlist import DEFAULT_SIMULATED_CANDIDATES
+from dispatcher.policies.shortlist import DEFAULT_SIMULATED_CANDIDATES, Shortlist
 from dispatcher.service import prepare_for_decisions
 from dispatcher.what_if import DEFAULT_OBJECTIVE
 from loadgen.benches.emulated_engine import sharegpt_like_lengths
@@ -91,12 +91,19 @@ def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at
                      finished_ids=finished_ids)
 
 
+def simulated_size(core: DispatcherCore, num_instances: int) -> int | None:
+    """How many candidates ``core``'s policy simulates a decision on ``num_instances``
+    (0: every one; None: a policy that simulates none, or no shortlist)."""
+    shortlist: Shortlist | None = getattr(core.policy, "shortlist", None)
+    return None if shortlist is None else shortlist.size_for(num_instances)
+
+
 def bench_decisions(*, policy: str = "block", instances: int = 16, running: int = 48, waiting: int = 20,
                     requests: int = 10_000, rate_per_s: float = 32.0, preset: str = "llama2-7b-a30",
                     seed: int = 0, objective: str | None = None,
-                    simulated_candidates: int = DEFAULT_SIMULATED_CANDIDATES) -> dict[str, Any]:
+                    simulated_candidates: int | None = DEFAULT_SIMULATED_CANDIDATES) -> dict[str, Any]:
     """Per-decision wall time of ``policy`` on one core, no Redis; ``simulated_candidates``:
-    the shortlist's size (0: every instance is simulated)."""
+    the shortlist's size (0: every instance is simulated; None: by the fleet's size)."""
     rng = random.Random(seed)
     keys = Keys()
     core = DispatcherCore(policy, seed=seed, objective=objective or DEFAULT_OBJECTIVE,
@@ -133,7 +140,7 @@ def bench_decisions(*, policy: str = "block", instances: int = 16, running: int 
     times_ms = np.array(decision_s) * 1000
     beat_ms = np.array(beat_s or [0.0]) * 1000
     return {"policy": policy, "instances": instances, "running": running, "waiting": waiting,
-            "requests": requests, "rate_per_s": rate_per_s, "simulated_candidates": simulated_candidates,
+            "requests": requests, "rate_per_s": rate_per_s, "simulated_candidates": simulated_size(core, instances),
             "replica_rebuilds": core.view.num_replica_rebuilds,
             "p50_ms": float(np.percentile(times_ms, 50)), "p99_ms": float(np.percentile(times_ms, 99)),
             "max_ms": float(times_ms.max()), "mean_ms": float(times_ms.mean()),

@@ -197,7 +197,7 @@ async def bench_placements(redis_url: str, *, policy: str = "round_robin", insta
                            running: int = 48, waiting: int = 20, requests: int = 10_000, seed: int = 0,
                            slo_ttft_ms: int = 0, undecided_wait_s: float = 5.0, max_seconds: float | None = None,
                            request_factory: RequestFactory = make_request,
-                           simulated_candidates: int = DEFAULT_SIMULATED_CANDIDATES) -> dict[str, Any]:
+                           simulated_candidates: int | None = DEFAULT_SIMULATED_CANDIDATES) -> dict[str, Any]:
     """Placements/s of a real dispatcher from ``ready`` to the instance queues, and every
     request's outcome (see the module docstring). Keys live under a fresh prefix, deleted
     at the end; the fleet's process is always stopped."""

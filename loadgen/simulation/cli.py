@@ -57,7 +57,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="from a beat's publication to the dispatcher (wall-clock ms)")
     parser.add_argument("--simulated-candidates", type=int, default=SimulationConfig.num_simulated_candidates,
                         help="block/oracle: candidates simulated per decision at most, the shortlist "
-                             "(0: every live instance)")
+                             "(0: every live instance; default: 16 on fleets of up to 128 instances, "
+                             "8 on larger ones)")
     parser.add_argument("--decision-delay-ms", type=float, default=None,
                         help="one placement decision (wall-clock ms; default: the policy's measured cost)")
     parser.add_argument("--ingress-delay-ms", type=float, default=SimulationConfig.ingress_delay_ms,

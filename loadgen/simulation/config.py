@@ -60,8 +60,8 @@ class SimulationConfig:
     the step timings the replicas refit from do not show it.
     ``forecast_check``: the dispatcher's per-instance forecast check and its fallback
     (:mod:`blockq.forecast_check`). ``num_simulated_candidates``: the candidates a
-    simulating policy simulates per decision at most (0: every one;
-    :mod:`dispatcher.policies.shortlist`).
+    simulating policy simulates per decision at most (0: every one; None: by the fleet's
+    size, :func:`dispatcher.policies.shortlist.default_size`).
     ``cells``: the fleet of ``instances`` split evenly into this many cells, each with its
     own dispatcher, behind one front (:mod:`loadgen.simulation.multi_cell`; a mixed ``fleet``
     is split by :meth:`~blockq.engine_model.fleet_spec.FleetSpec.split`, interleaved, and
@@ -105,7 +105,7 @@ class SimulationConfig:
     cell_load_interval_ms: float = 250.0
     cell_stale_after_ms: float = 2000.0
     cell_choices: int = 0
-    num_simulated_candidates: int = DEFAULT_SIMULATED_CANDIDATES
+    num_simulated_candidates: int | None = DEFAULT_SIMULATED_CANDIDATES
     served: ServedModels = field(default_factory=ServedModels)
     fleet: FleetSpec | None = None
 
@@ -114,7 +114,7 @@ class SimulationConfig:
         self.served.check_fleet(self.instances, self.cells)
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective: must be one of {', '.join(OBJECTIVES)} (got {self.objective!r})")
-        if self.num_simulated_candidates < 0:
+        if self.num_simulated_candidates is not None and self.num_simulated_candidates < 0:
             raise ValueError(f"num_simulated_candidates: must be >= 0 (got {self.num_simulated_candidates})")
         if self.instances < 1:
             raise ValueError(f"instances: must be >= 1 (got {self.instances})")
