@@ -179,7 +179,8 @@ class ClusterView:
             view = InstanceView(beat.instance_id, beat, heard_at_s)
             self.instances[beat.instance_id] = view
             self._live = None
-        if view.heartbeat is not beat and (view.heartbeat.model != beat.model or adapter_names(
+        if view.heartbeat is not beat and (view.heartbeat.model != beat.model or not _same(
+                view.heartbeat.engine_config, beat.engine_config) and adapter_names(
                 view.heartbeat.engine_config) != adapter_names(beat.engine_config)):
             self._serving.clear()
         view.heartbeat = beat
@@ -230,12 +231,15 @@ class ClusterView:
         where a replica will be built from it, a latency model that does not build or
         request lists it could not be rebuilt from. Returns the listed request ids when
         it read them (None otherwise)."""
-        new_config = view is None or not view.heard or beat.engine_config != view.heartbeat.engine_config
+        # The same objects as the last beat's when a fleet decoder decoded them unchanged
+        # (HeartbeatDecoder): told apart by identity first.
+        new_config = view is None or not view.heard or not _same(beat.engine_config, view.heartbeat.engine_config)
         if new_config:
             EngineConfig.from_dict(beat.engine_config)
         if not self.keep_replicas and (view is None or view.replica is None):
             return None
-        if new_config or view is None or view.replica is None or beat.latency_model != view.heartbeat.latency_model:
+        if new_config or view is None or view.replica is None or not _same(beat.latency_model,
+                                                                          view.heartbeat.latency_model):
             self.latency_model_of(beat)
         return _check_restorable(beat)
 
@@ -363,6 +367,11 @@ def _check_restorable(beat: Heartbeat) -> list[str]:
     if prompt_tokens and min(prompt_tokens) < 1:
         raise ValueError("running, waiting: prompt_tokens must be >= 1")
     return ids
+
+
+def _same(new: object, old: object) -> bool:
+    """Whether a beat's dict ``new`` equals the last beat's ``old``: the same object, or equal."""
+    return new is old or new == old
 
 
 def _saved(view: InstanceView | None) -> InstanceView | None:

@@ -77,3 +77,16 @@ def test_the_fleet_decoder_checks_an_engine_model_when_it_changes() -> None:
     other = {**good, "instance_id": "b", "engine_config": bad["engine_config"]}
     with pytest.raises(ValidationError, match="engine_config"):  # another instance's model is its own
         decoder.decode(pack_map(other))
+
+
+def test_the_fleet_decoder_passes_an_unchanged_engine_model_on_as_the_same_objects() -> None:
+    decoder = HeartbeatDecoder()
+    good = make_heartbeat("a").to_map()
+    first = decoder.decode(pack_map(good))
+    second = decoder.decode(pack_map({**good, "seq": 2}))
+    assert second.engine_config is first.engine_config and second.latency_model is first.latency_model
+    changed = {**good, "seq": 3, "engine_config": {**good["engine_config"], "max_num_seqs": 7}}
+    third = decoder.decode(pack_map(changed))
+    assert third.engine_config == changed["engine_config"] and third.engine_config is not first.engine_config
+    assert decoder.decode(pack_map({**changed, "seq": 4})).engine_config is third.engine_config
+    assert decoder.decode(pack_map({**good, "instance_id": "b"})).engine_config is not first.engine_config

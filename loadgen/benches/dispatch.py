@@ -75,7 +75,13 @@ def advance_engine(engine: EngineScheduler, until_s: float) -> None:
 
 
 def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at_s: float,
-                 preset: str, finished_ids: tuple[str, ...] = ()) -> Heartbeat:
+                 preset: str, finished_ids: tuple[str, ...] = (),
+                 engine_model: tuple[dict[str, Any], dict[str, Any]] | None = None) -> Heartbeat:
+    """``scheduler``'s beat; ``engine_model``: its engine config and latency model as
+    dicts, when the caller keeps them (the previous beat's, as a fleet's beat decoder
+    gives a reader while they do not change: blockq.wire.beats.HeartbeatDecoder)."""
+    engine_config, latency_model = engine_model or (scheduler.config.to_dict(), scheduler.latency_model.to_dict())
+
     def progress(request: EngineRequest) -> RequestProgress:
         return RequestProgress(request.request_id, request.prompt_tokens, request.num_computed_tokens,
                                request.num_generated_tokens, request.output_target_tokens,
@@ -83,7 +89,7 @@ def heartbeat_of(instance_id: str, scheduler: EngineScheduler, seq: int, sent_at
 
     return Heartbeat(instance_id=instance_id, state=InstanceState.LIVE, seq=seq, sent_at_s=sent_at_s,
                      engine_time_s=scheduler.now_s, model="emulated", preset=preset,
-                     engine_config=scheduler.config.to_dict(), latency_model=scheduler.latency_model.to_dict(),
+                     engine_config=engine_config, latency_model=latency_model,
                      num_used_blocks=scheduler.num_used_blocks,
                      running=tuple(progress(r) for r in scheduler.running),
                      waiting=tuple(progress(r) for r in scheduler.waiting),
@@ -110,9 +116,13 @@ def bench_decisions(*, policy: str = "block", instances: int = 16, running: int 
                           num_simulated_candidates=simulated_candidates)
     # The "real" instances the beats come from: advanced in virtual time with what they get.
     engines = {f"i{k}": loaded_scheduler(rng, preset, running, waiting) for k in range(instances)}
+    # Each instance's engine model as the dispatcher's beat decoder passes it on, beat after beat.
+    engine_models = {instance_id: (engine.config.to_dict(), engine.latency_model.to_dict())
+                     for instance_id, engine in engines.items()}
     seq = 1
     for instance_id, engine in engines.items():
-        core.apply_heartbeat(heartbeat_of(instance_id, engine, seq, 0.0, preset), 0.0)
+        core.apply_heartbeat(heartbeat_of(instance_id, engine, seq, 0.0, preset,
+                                          engine_model=engine_models[instance_id]), 0.0)
     prepare_for_decisions(core)
     next_beat_s = HEARTBEAT_INTERVAL_S
     decision_s: list[float] = []
@@ -123,7 +133,7 @@ def bench_decisions(*, policy: str = "block", instances: int = 16, running: int 
             seq += 1
             for instance_id, engine in engines.items():
                 advance_engine(engine, now_s)
-                beat = heartbeat_of(instance_id, engine, seq, now_s, preset)
+                beat = heartbeat_of(instance_id, engine, seq, now_s, preset, engine_model=engine_models[instance_id])
                 started = time.perf_counter()
                 core.apply_heartbeat(beat, now_s)
                 beat_s.append(time.perf_counter() - started)
