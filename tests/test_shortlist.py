@@ -173,7 +173,7 @@ def test_a_decision_places_by_a_replica_rebuilt_from_the_latest_beat(monkeypatch
     # instance taken is simulated again on its rebuilt replica, and its forecast is the one
     # placed with; on a smaller fleet the replicas simulated were rebuilt first, and those
     # used lately are kept current beat by beat.
-    monkeypatch.setattr(predictive, "RANK_AS_IS_ABOVE_INSTANCES", rank_as_is_above)
+    monkeypatch.setattr(predictive, "LARGE_FLEET_ABOVE_INSTANCES", rank_as_is_above)
     beats = fleet(41, seed=4)
     core = DispatcherCore("block", seed=7, num_simulated_candidates=4)
     for beat in beats:

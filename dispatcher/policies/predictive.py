@@ -35,13 +35,6 @@ LANE_BRIEF_OUTPUT_TOKENS = 32
 # (about what a long prompt gains there); past it, near capacity, the lanes serve all.
 # Measured: 20 ms kept a third of the tail's gain, 100 ms cost 0.6 ms of mean TTFT.
 LANE_SLACK_S = 0.05
-# Fleets larger than this rank the shortlist's candidates on their replicas as they are
-# (only the instance taken is rebuilt); smaller ones keep the replicas decisions use current,
-# rebuilt on their beats. Ranking as they are cost capacity at 96 instances and keeping them
-# current cost the beat path a core at 1,024 (docs/decisions/placement.md, "Ranking as they
-# are on large fleets only"). Such fleets also simulate fewer candidates unless told
-# (dispatcher.policies.shortlist.default_size).
-RANK_AS_IS_ABOVE_INSTANCES = LARGE_FLEET_ABOVE_INSTANCES
 
 
 @dataclass(slots=True)
@@ -110,11 +103,11 @@ class Block:
               bus_now_s: float | None = None) -> Decision:
         lanes = self._lane_ids(candidates)
         sizes: dict[int, tuple[int, int]] = {}
-        # On a fleet the shortlist cuts, larger than RANK_AS_IS_ABOVE_INSTANCES, the candidates
+        # On a fleet the shortlist cuts, larger than LARGE_FLEET_ABOVE_INSTANCES, the candidates
         # are ranked on their replicas as they are (ClusterView.replica's ``as_is``), and none
         # is kept current beat by beat.
         cut = self.shortlist.cuts(len(candidates))
-        as_is = cut and len(candidates) > RANK_AS_IS_ABOVE_INSTANCES
+        as_is = cut and len(candidates) > LARGE_FLEET_ABOVE_INSTANCES
         off_lanes = cut and bool(lanes) and self._kept_off_lanes(request, candidates[0], now_s, sizes)
         ranked = [self._simulated(request, candidate, now_s, sizes, as_is=as_is, keep_current=not as_is)
                   for candidate in self.shortlist.select(candidates, lanes, now_s, off_lanes=off_lanes)]

@@ -42,8 +42,12 @@ from dispatcher.policies.shortlist_kernel import shortlist_positions
 # What the dispatcher, the simulation and dispatch-bench use unless told: a size by the
 # fleet's (None: :func:`default_size`).
 DEFAULT_SIMULATED_CANDIDATES: int | None = None
-# Fleets of up to this many instances keep the replicas decisions use current, larger ones
-# rank on them as they are (dispatcher.policies.predictive.RANK_AS_IS_ABOVE_INSTANCES).
+# Fleets larger than this rank the shortlist's candidates on their replicas as they are
+# (only the instance taken is rebuilt: dispatcher.policies.predictive.Block._best) and
+# simulate fewer of them unless told (default_size); smaller ones keep the replicas
+# decisions use current, rebuilt on their beats. Ranking as they are cost capacity at 96
+# instances and keeping them current cost the beat path a core at 1,024
+# (docs/decisions/placement.md, "Ranking as they are on large fleets only").
 LARGE_FLEET_ABOVE_INSTANCES = 128
 # Up to LARGE_FLEET_ABOVE_INSTANCES: 16, so that a fleet of up to 16 instances (the paper's
 # 12, the demo's) decides exactly as without a shortlist and every figure measured on one
